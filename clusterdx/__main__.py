@@ -1,0 +1,3 @@
+from clusterdx.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,551 @@
+"""The wire format: the single source of truth for everything node agents and training hooks send.
+
+Standard library only, so the agent, the training hooks and the server all import this one module.
+
+A batch is one JSON object (optionally gzip-compressed on the wire)::
+
+    {"v": 1, "agent_id": "node-017", "seq": 42, "host": "node-017", "sent_at": 1764464000.0,
+     "gpus": [...], "hosts": [...], "ports": [...], "events": [...], "steps": [...], "probes": [...],
+     "runs": [...], "dropped": {"spool": 0}}
+
+Records are declared below as classes whose annotations carry their constraints (``Annotated[float, Range(ge=0)]``).
+From these declarations the module builds
+
+* :func:`validate_batch` – a strict validator that returns plain dicts (defaults filled in) or raises
+  :class:`WireError` naming the exact path (``gpus[3].power_w: expected a number, got "hot"``);
+* :func:`json_schema` – JSON Schema components for the server's OpenAPI document.
+
+Units live in field names (``_s``, ``_ms``, ``_bytes``, ``_w``, ``_mhz``, ``_pct``, ``_c``, ``_gbps``).
+Unsupported or unknown measurements are ``null``, never a fake ``0``. Timestamps are Unix seconds (float).
+Unknown fields are rejected so that a typo in a producer is an error, not a silent drop.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+WIRE_VERSION = 1
+# The server refuses larger bodies with 413; agents split batches below this (uncompressed JSON bytes).
+MAX_BATCH_BYTES = 8 * 1024 * 1024
+# Where the training hooks on a node drop their records for the local agent (UDP, JSON per datagram).
+LOCAL_HOOK_ADDR = ("127.0.0.1", 8650)
+MAX_DATAGRAM_BYTES = 60_000
+
+# ---------------------------------------------------------------------------------------------------------------
+# Constraint markers, used inside Annotated[...].
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    ge: float | None = None
+    le: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Len:
+    """Maximum length of a string, list or mapping (and minimum for strings)."""
+
+    max: int
+    min: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Pattern:
+    regex: str
+
+
+@dataclass(frozen=True, slots=True)
+class Doc:
+    text: str
+
+
+class WireError(ValueError):
+    """A batch that does not match the wire format. ``path`` points at the offending value."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
+        self.message = message
+
+
+# Reusable field types ---------------------------------------------------------------------------------------------
+Unix = Annotated[float, Range(ge=0, le=1e11), Doc("Unix time in seconds")]
+Seconds = Annotated[float, Range(ge=0, le=1e7)]
+Pct = Annotated[float, Range(ge=0, le=100)]
+Count = Annotated[int, Range(ge=0, le=2**63 - 1)]
+Bytes = Annotated[int, Range(ge=0, le=2**63 - 1)]
+Name = Annotated[str, Len(128, 1)]
+Text = Annotated[str, Len(8192)]
+Ident = Annotated[str, Len(128, 1), Pattern(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]*")]
+# Host names come from the machines themselves; RFC 1123 labels (and a few cloud oddities such as underscores).
+Hostname = Annotated[str, Len(253, 1), Pattern(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")]
+Severity = Literal["info", "warning", "error", "critical"]
+Labels = Annotated[dict[str, Annotated[str, Len(1024)]], Len(64)]
+Numbers = Annotated[dict[str, float], Len(64)]
+
+
+class Record:
+    """Base of every wire record: subclasses only declare annotated fields (with defaults for optional ones)."""
+
+
+class GpuSample(Record):
+    """One GPU at one instant (a wide row). ``None`` means the GPU or driver does not report it."""
+
+    ts: Unix
+    index: Annotated[int, Range(ge=0, le=1023)]
+    uuid: Annotated[str, Len(96)] | None = None
+    name: Annotated[str, Len(96)] | None = None
+    pci_bus_id: Annotated[str, Len(32)] | None = None
+    util_gpu_pct: Pct | None = None
+    util_mem_pct: Pct | None = None
+    mem_used_bytes: Bytes | None = None
+    mem_total_bytes: Bytes | None = None
+    temp_c: Annotated[float, Range(ge=-50, le=200)] | None = None
+    power_w: Annotated[float, Range(ge=0, le=10000)] | None = None
+    power_limit_w: Annotated[float, Range(ge=0, le=10000)] | None = None
+    sm_clock_mhz: Annotated[float, Range(ge=0, le=10000)] | None = None
+    sm_clock_max_mhz: Annotated[float, Range(ge=0, le=10000)] | None = None
+    mem_clock_mhz: Annotated[float, Range(ge=0, le=20000)] | None = None
+    mem_clock_max_mhz: Annotated[float, Range(ge=0, le=20000)] | None = None
+    throttle_reasons: Annotated[list[Annotated[str, Len(64)]], Len(32)] | None = None
+    ecc_sbe_volatile: Count | None = None
+    ecc_dbe_volatile: Count | None = None
+    ecc_sbe_aggregate: Count | None = None
+    ecc_dbe_aggregate: Count | None = None
+    retired_pages_sbe: Count | None = None
+    retired_pages_dbe: Count | None = None
+    retired_pages_pending: bool | None = None
+    remap_correctable: Count | None = None
+    remap_uncorrectable: Count | None = None
+    remap_pending: bool | None = None
+    remap_failure: bool | None = None
+    pcie_replay_total: Count | None = None
+    pcie_gen: Annotated[int, Range(ge=0, le=16)] | None = None
+    pcie_gen_max: Annotated[int, Range(ge=0, le=16)] | None = None
+    pcie_width: Annotated[int, Range(ge=0, le=64)] | None = None
+    pcie_width_max: Annotated[int, Range(ge=0, le=64)] | None = None
+    nvlink_links_up: Annotated[int, Range(ge=0, le=64)] | None = None
+    nvlink_links_total: Annotated[int, Range(ge=0, le=64)] | None = None
+    nvlink_crc_errors_total: Count | None = None
+    nvlink_replay_errors_total: Count | None = None
+    nvlink_recovery_errors_total: Count | None = None
+    # Why fields are None: {"ecc_sbe_volatile": "not supported"}; lets the dashboard say why a cell is empty.
+    unavailable: Annotated[dict[str, Annotated[str, Len(128)]], Len(64)] | None = None
+
+
+class NfsMount(Record):
+    mount: Annotated[str, Len(1024, 1)]
+    server: Annotated[str, Len(1024)] | None = None
+    ops_per_s: Annotated[float, Range(ge=0)] | None = None
+    rtt_ms: Annotated[float, Range(ge=0)] | None = None
+    exe_ms: Annotated[float, Range(ge=0)] | None = None
+
+
+class HostSample(Record):
+    ts: Unix
+    cpu_pct: Pct | None = None
+    load1: Annotated[float, Range(ge=0)] | None = None
+    mem_used_bytes: Bytes | None = None
+    mem_total_bytes: Bytes | None = None
+    disk_read_bytes_per_s: Annotated[float, Range(ge=0)] | None = None
+    disk_write_bytes_per_s: Annotated[float, Range(ge=0)] | None = None
+    net_rx_bytes_per_s: Annotated[float, Range(ge=0)] | None = None
+    net_tx_bytes_per_s: Annotated[float, Range(ge=0)] | None = None
+    nfs: Annotated[list[NfsMount], Len(64)] | None = None
+
+
+class PortSample(Record):
+    """An InfiniBand / RoCE port. ``counters`` are deltas over ``interval_s`` (wrap and saturation handled)."""
+
+    ts: Unix
+    device: Annotated[str, Len(64, 1)]
+    port: Annotated[int, Range(ge=0, le=255)]
+    state: Annotated[str, Len(32)] | None = None
+    phys_state: Annotated[str, Len(32)] | None = None
+    rate_gbps: Annotated[float, Range(ge=0, le=100000)] | None = None
+    link_layer: Annotated[str, Len(32)] | None = None
+    interval_s: Annotated[float, Range(ge=0, le=86400)] | None = None
+    xmit_bytes_per_s: Annotated[float, Range(ge=0)] | None = None
+    rcv_bytes_per_s: Annotated[float, Range(ge=0)] | None = None
+    counters: Annotated[dict[str, Count], Len(128)] | None = None
+
+
+EventKind = Literal["xid", "nccl", "kmsg", "error", "watchdog", "checkpoint", "agent", "hook"]
+
+
+class Event(Record):
+    """Something that happened: an Xid, an NCCL log line worth keeping, a watchdog timeout, a checkpoint."""
+
+    ts: Unix
+    kind: EventKind
+    severity: Severity = "info"
+    message: Text = ""
+    code: Annotated[int, Range(ge=0, le=2**31)] | None = None
+    gpu_index: Annotated[int, Range(ge=0, le=1023)] | None = None
+    pci_bus_id: Annotated[str, Len(32)] | None = None
+    run: Ident | None = None
+    rank: Annotated[int, Range(ge=0, le=1_000_000)] | None = None
+    step: Count | None = None
+    data: Labels | None = None
+
+
+class Step(Record):
+    """One training step on one rank, as the training hooks measured it."""
+
+    run: Ident
+    rank: Annotated[int, Range(ge=0, le=1_000_000)]
+    step: Count
+    ts: Unix  # when the step ended
+    step_time_s: Seconds
+    data_wait_s: Seconds | None = None
+    compute_s: Seconds | None = None
+    comm_s: Seconds | None = None
+    # When this rank reached its first collective, relative to the step start: the late arriver is the culprit.
+    comm_arrive_s: Seconds | None = None
+    tokens: Count | None = None
+    samples: Count | None = None
+    phases: Annotated[dict[str, Seconds], Len(32)] | None = None
+    metrics: Numbers | None = None
+    mem_allocated_bytes: Bytes | None = None
+    mem_reserved_bytes: Bytes | None = None
+    mem_total_bytes: Bytes | None = None
+
+
+class DataLoaderInfo(Record):
+    batch_size: Count | None = None
+    num_workers: Count | None = None
+    pin_memory: bool | None = None
+    prefetch_factor: Count | None = None
+    persistent_workers: bool | None = None
+    sampler: Annotated[str, Len(256)] | None = None
+    dataset_path: Annotated[str, Len(4096)] | None = None
+
+
+class RunMeta(Record):
+    """A rank's view of its run, sent at start and whenever it changes."""
+
+    run: Ident
+    rank: Annotated[int, Range(ge=0, le=1_000_000)]
+    world_size: Annotated[int, Range(ge=1, le=1_000_000)]
+    ts: Unix
+    local_rank: Annotated[int, Range(ge=0, le=1024)] | None = None
+    host: Hostname | None = None
+    gpu_index: Annotated[int, Range(ge=0, le=1023)] | None = None
+    gpu_uuid: Annotated[str, Len(96)] | None = None
+    gpu_name: Annotated[str, Len(96)] | None = None
+    parallel: Annotated[dict[str, Annotated[int, Range(ge=1, le=1_000_000)]], Len(16)] | None = None
+    versions: Annotated[dict[str, Annotated[str, Len(128)]], Len(16)] | None = None
+    env: Labels | None = None
+    dataloader: DataLoaderInfo | None = None
+    params: Count | None = None
+    flops_per_token: Annotated[float, Range(ge=0)] | None = None
+    peak_flops: Annotated[float, Range(ge=0)] | None = None
+    dtype: Annotated[str, Len(32)] | None = None
+    last_checkpoint_step: Count | None = None
+    last_checkpoint_ts: Unix | None = None
+
+
+class Probe(Record):
+    """A pairwise measurement from this agent's node to a peer (pingmesh-style)."""
+
+    ts: Unix
+    peer: Hostname
+    sent: Count
+    lost: Count
+    rtt_ms: Annotated[float, Range(ge=0)] | None = None  # median of the round trips that came back
+    rtt_p99_ms: Annotated[float, Range(ge=0)] | None = None
+    bw_gbps: Annotated[float, Range(ge=0)] | None = None  # from a bulk transfer, when one ran
+
+
+class Batch(Record):
+    v: Literal[1]
+    agent_id: Ident
+    seq: Count
+    host: Hostname
+    sent_at: Unix
+    gpus: Annotated[list[GpuSample], Len(4096)] = []  # noqa: RUF012 - defaults are copied by the validator
+    hosts: Annotated[list[HostSample], Len(256)] = []  # noqa: RUF012
+    ports: Annotated[list[PortSample], Len(1024)] = []  # noqa: RUF012
+    events: Annotated[list[Event], Len(10000)] = []  # noqa: RUF012
+    steps: Annotated[list[Step], Len(20000)] = []  # noqa: RUF012
+    probes: Annotated[list[Probe], Len(4096)] = []  # noqa: RUF012
+    runs: Annotated[list[RunMeta], Len(1024)] = []  # noqa: RUF012
+    # Records the producer had to drop (spool bound, hook queue full), by reason; reported, never hidden.
+    dropped: Annotated[dict[str, Count], Len(16)] | None = None
+
+
+RECORDS: tuple[type[Record], ...] = (
+    GpuSample, NfsMount, HostSample, PortSample, Event, Step, DataLoaderInfo, RunMeta, Probe, Batch,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compiling the declarations into validators.
+
+Check = Callable[[Any, str], Any]
+_MISSING = object()
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        shown = value if len(value) <= 40 else value[:37] + "..."
+        return f"the string {shown!r}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _split_annotated(tp: Any) -> tuple[Any, list[Any]]:
+    meta: list[Any] = []
+    while typing.get_origin(tp) is Annotated:
+        meta = list(tp.__metadata__) + meta
+        tp = tp.__origin__
+    return tp, meta
+
+
+def _bounded(check: Check, meta: list[Any]) -> Check:
+    rng = next((m for m in meta if isinstance(m, Range)), None)
+    ln = next((m for m in meta if isinstance(m, Len)), None)
+    pat = next((m for m in meta if isinstance(m, Pattern)), None)
+    if rng is None and ln is None and pat is None:
+        return check
+    regex = re.compile(pat.regex) if pat else None
+
+    def bounded(value: Any, path: str) -> Any:
+        value = check(value, path)
+        if rng is not None:
+            if rng.ge is not None and value < rng.ge:
+                raise WireError(path, f"must be >= {rng.ge:g}, got {value!r}")
+            if rng.le is not None and value > rng.le:
+                raise WireError(path, f"must be <= {rng.le:g}, got {value!r}")
+        if ln is not None:
+            if len(value) > ln.max:
+                raise WireError(path, f"too long: {len(value)} > {ln.max}")
+            if len(value) < ln.min:
+                raise WireError(path, f"too short: must have at least {ln.min}")
+        if regex is not None and not regex.fullmatch(value):
+            raise WireError(path, f"{_describe(value)} does not match {pat.regex}")
+        return value
+
+    return bounded
+
+
+def _check_str(value: Any, path: str) -> str:
+    if type(value) is not str:
+        raise WireError(path, f"expected a string, got {_describe(value)}")
+    if "\x00" in value:
+        raise WireError(path, "NUL characters are not allowed")
+    return value
+
+
+def _check_bool(value: Any, path: str) -> bool:
+    if type(value) is not bool:
+        raise WireError(path, f"expected true or false, got {_describe(value)}")
+    return value
+
+
+def _check_int(value: Any, path: str) -> int:
+    if type(value) is int:
+        return value
+    # 3.0 is accepted as 3: JSON encoders in other languages print integral floats that way.
+    if type(value) is float and value.is_integer():
+        return int(value)
+    raise WireError(path, f"expected an integer, got {_describe(value)}")
+
+
+def _check_float(value: Any, path: str) -> float:
+    if type(value) is float:
+        if not math.isfinite(value):
+            raise WireError(path, "must be a finite number")
+        return value
+    if type(value) is int:
+        return float(value)
+    raise WireError(path, f"expected a number, got {_describe(value)}")
+
+
+_SCALARS: dict[Any, Check] = {str: _check_str, bool: _check_bool, int: _check_int, float: _check_float}
+
+
+def _compile(tp: Any) -> Check:
+    tp, meta = _split_annotated(tp)
+    origin = typing.get_origin(tp)
+    if tp in _SCALARS:
+        return _bounded(_SCALARS[tp], meta)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+
+        def literal(value: Any, path: str) -> Any:
+            if value not in allowed or type(value) is bool:
+                raise WireError(path, f"must be one of {', '.join(map(repr, allowed))}, got {_describe(value)}")
+            return value
+
+        return literal
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) != 1 or len(typing.get_args(tp)) != 2:
+            raise TypeError(f"only 'T | None' unions are supported, got {tp}")
+        inner = _compile(args[0])
+
+        def optional(value: Any, path: str) -> Any:
+            return None if value is None else inner(value, path)
+
+        return _bounded(optional, meta) if meta else optional
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        item = _compile(item_tp)
+
+        def listed(value: Any, path: str) -> list[Any]:
+            if type(value) is not list:
+                raise WireError(path, f"expected a list, got {_describe(value)}")
+            return [item(v, f"{path}[{i}]") for i, v in enumerate(value)]
+
+        return _bounded(listed, meta)
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp)
+        key = _bounded(_check_str, [Len(128, 1)])
+        val = _compile(val_tp)
+
+        def mapping(value: Any, path: str) -> dict[str, Any]:
+            if type(value) is not dict:
+                raise WireError(path, f"expected an object, got {_describe(value)}")
+            return {key(k, path): val(v, f"{path}.{k}") for k, v in value.items()}
+
+        return _bounded(mapping, meta)
+    if isinstance(tp, type) and issubclass(tp, Record):
+        return _record_check(tp)
+    raise TypeError(f"unsupported wire type {tp!r}")
+
+
+def _fields(cls: type[Record]) -> dict[str, tuple[Any, Any]]:
+    """name -> (annotation, default or _MISSING), in declaration order."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {name: (hints[name], getattr(cls, name, _MISSING)) for name in cls.__annotations__}
+
+
+_CHECKS: dict[type[Record], Check] = {}
+
+
+def _record_check(cls: type[Record]) -> Check:
+    if cls in _CHECKS:
+        return _CHECKS[cls]
+    fields = _fields(cls)
+    compiled = {name: (_compile(tp), default) for name, (tp, default) in fields.items()}
+    required = [name for name, (_, default) in fields.items() if default is _MISSING]
+
+    def record(value: Any, path: str) -> dict[str, Any]:
+        if type(value) is not dict:
+            raise WireError(path, f"expected an object, got {_describe(value)}")
+        unknown = value.keys() - compiled.keys()
+        if unknown:
+            name = sorted(unknown)[0]
+            raise WireError(f"{path}.{name}" if path else name, f"unknown field (a {cls.__name__} has no such field)")
+        out: dict[str, Any] = {}
+        for name, (check, default) in compiled.items():
+            sub = f"{path}.{name}" if path else name
+            raw = value.get(name, _MISSING)
+            if raw is _MISSING:
+                if name in required:
+                    raise WireError(sub, "missing required field")
+                out[name] = list(default) if isinstance(default, list) else default
+            else:
+                out[name] = check(raw, sub)
+        return out
+
+    _CHECKS[cls] = record
+    return record
+
+
+def validate(cls: type[Record], value: Any, path: str = "") -> dict[str, Any]:
+    """Validate one record of type ``cls``; returns a new dict with defaults filled in."""
+    return _record_check(cls)(value, path)
+
+
+def validate_batch(value: Any) -> dict[str, Any]:
+    """Validate a decoded batch. Checks the version first so an agent from the future gets a precise error."""
+    if type(value) is dict and "v" in value and value["v"] != WIRE_VERSION:
+        raise WireError("v", f"unsupported wire version {value['v']!r}; this server speaks {WIRE_VERSION}")
+    return validate(Batch, value)
+
+
+def field_names(cls: type[Record]) -> tuple[str, ...]:
+    return tuple(cls.__annotations__)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# JSON Schema, for the OpenAPI document.
+
+
+def _schema(tp: Any) -> dict[str, Any]:
+    tp, meta = _split_annotated(tp)
+    origin = typing.get_origin(tp)
+    out: dict[str, Any]
+    if tp is str:
+        out = {"type": "string"}
+    elif tp is bool:
+        out = {"type": "boolean"}
+    elif tp is int:
+        out = {"type": "integer"}
+    elif tp is float:
+        out = {"type": "number"}
+    elif origin is Literal:
+        out = {"enum": list(typing.get_args(tp))}
+    elif origin is list:
+        out = {"type": "array", "items": _schema(typing.get_args(tp)[0])}
+    elif origin is dict:
+        out = {"type": "object", "additionalProperties": _schema(typing.get_args(tp)[1])}
+    elif isinstance(tp, type) and issubclass(tp, Record):
+        out = {"$ref": f"#/components/schemas/{tp.__name__}"}
+    else:  # T | None
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        out = {"anyOf": [_schema(inner), {"type": "null"}]}
+    for m in meta:
+        if isinstance(m, Range):
+            if m.ge is not None:
+                out["minimum"] = m.ge
+            if m.le is not None:
+                out["maximum"] = m.le
+        elif isinstance(m, Len):
+            key = {"string": "Length", "array": "Items", "object": "Properties"}.get(out.get("type", ""), "")
+            if key:
+                out[f"max{key}"] = m.max
+                if m.min:
+                    out[f"min{key}"] = m.min
+        elif isinstance(m, Pattern):
+            out["pattern"] = f"^(?:{m.regex})$"
+        elif isinstance(m, Doc):
+            out["description"] = m.text
+    return out
+
+
+def json_schema() -> dict[str, dict[str, Any]]:
+    """JSON Schema for every record, keyed by record name (OpenAPI ``components.schemas``)."""
+    schemas: dict[str, dict[str, Any]] = {}
+    for cls in RECORDS:
+        fields = _fields(cls)
+        props = {}
+        for name, (tp, default) in fields.items():
+            prop = _schema(tp)
+            if default is not _MISSING:
+                prop["default"] = default
+            props[name] = prop
+        schemas[cls.__name__] = {
+            "type": "object",
+            "description": (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else cls.__name__,
+            "properties": props,
+            "required": [n for n, (_, d) in fields.items() if d is _MISSING],
+            "additionalProperties": False,
+        }
+    return schemas
