@@ -18,6 +18,16 @@ From these declarations the module builds
 Units live in field names (``_s``, ``_ms``, ``_bytes``, ``_w``, ``_mhz``, ``_pct``, ``_c``, ``_gbps``).
 Unsupported or unknown measurements are ``null``, never a fake ``0``. Timestamps are Unix seconds (float).
 Unknown fields are rejected so that a typo in a producer is an error, not a silent drop.
+
+Identity and idempotency: the server accepts each (``agent_id``, ``seq``) once and answers a repeat as a duplicate.
+``seq`` must increase for the lifetime of an ``agent_id``; a producer that cannot persist its counter (a training
+process posting directly) must use a fresh ``agent_id`` per process (``hook-<host>-<pid>-<start time>``).
+
+The ingest endpoint: ``POST /api/v1/ingest`` with ``Authorization: Bearer <cluster token>``,
+``Content-Type: application/json`` and optionally ``Content-Encoding: gzip``. Answers: 200
+``{"status": "accepted" | "duplicate", "seq": N}``; 4xx ``{"error": "<code>", "detail": "<reason>"}`` with 400 (bad
+JSON or schema; ``detail`` names the field), 401 (missing, unknown or revoked token), 403 (token of another cluster),
+413 (body too large), 415 (not JSON / unknown encoding). A 4xx will never succeed on retry; 5xx and 429 may.
 """
 
 from __future__ import annotations
@@ -279,8 +289,23 @@ class Batch(Record):
     dropped: Annotated[dict[str, Count], Len(16)] | None = None
 
 
+class HookDatagram(Record):
+    """What a training process sends to its node's agent over the local socket (one JSON object per datagram).
+
+    The agent validates it and forwards the records in its next batch; ``dropped`` is the hook's own drop count
+    (queue full, agent unreachable), cumulative since the process started."""
+
+    v: Literal[1]
+    host: Hostname
+    pid: Annotated[int, Range(ge=0, le=2**31)]
+    steps: Annotated[list[Step], Len(1000)] = []  # noqa: RUF012
+    runs: Annotated[list[RunMeta], Len(64)] = []  # noqa: RUF012
+    events: Annotated[list[Event], Len(1000)] = []  # noqa: RUF012
+    dropped: Annotated[dict[str, Count], Len(16)] | None = None
+
+
 RECORDS: tuple[type[Record], ...] = (
-    GpuSample, NfsMount, HostSample, PortSample, Event, Step, DataLoaderInfo, RunMeta, Probe, Batch,
+    GpuSample, NfsMount, HostSample, PortSample, Event, Step, DataLoaderInfo, RunMeta, Probe, Batch, HookDatagram,
 )
 
 

@@ -1,0 +1,37 @@
+"""What every agent source implements. The agent owns the loop; a source only measures.
+
+A source is started once; ``start()`` returns ``None`` when it is active, or a one-line reason why it is off
+("no NVML library: libnvidia-ml.so.1 not found"), which the agent prints in its startup summary and never
+repeats. ``collect(now, out)`` appends wire records (plain dicts shaped as in :mod:`clusterdx.wire`) to ``out``;
+it must not block for longer than a small fraction of the interval and must not raise for odd hardware: a
+measurement that fails becomes ``None`` (with a reason in ``unavailable`` where the record has one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class Collected:
+    """Records gathered during one interval, keyed like the batch lists in :class:`clusterdx.wire.Batch`."""
+
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+    hosts: list[dict[str, Any]] = field(default_factory=list)
+    ports: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    probes: list[dict[str, Any]] = field(default_factory=list)
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    dropped: dict[str, int] = field(default_factory=dict)
+
+
+class Source(Protocol):
+    name: str
+
+    def start(self) -> str | None: ...
+
+    def collect(self, now: float, out: Collected) -> None: ...
+
+    def close(self) -> None: ...
