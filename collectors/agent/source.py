@@ -5,6 +5,14 @@ A source is started once; ``start()`` returns ``None`` when it is active, or a o
 repeats. ``collect(now, out)`` appends wire records (plain dicts shaped as in :mod:`clusterdx.wire`) to ``out``;
 it must not block for longer than a small fraction of the interval and must not raise for odd hardware: a
 measurement that fails becomes ``None`` (with a reason in ``unavailable`` where the record has one).
+
+How the agent builds a source: ``cls(**options)``, where ``options`` are the keys of the source's
+``[sources.<name>]`` table in ``agent.toml`` (``enabled`` excepted). A source declares its options as keyword
+parameters with defaults (``def __init__(self, *, root: str = "/sys/class/infiniband") -> None``); the agent checks
+the table against that signature before calling it, so a misspelt option is reported by name, with a suggestion.
+Records a source had to drop go into ``out.dropped`` by reason; the agent sums them into the batch.
+The registry of names (``gpu``, ``hooks``, ``ib``, ``host``, ``kmsg``, ``nccl``, ``probes``) lives in
+:mod:`collectors.agent.registry`; a source module that is missing or fails to import is reported as off.
 """
 
 from __future__ import annotations
