@@ -183,6 +183,8 @@ class PortSample(Record):
     xmit_bytes_per_s: Annotated[float, Range(ge=0)] | None = None
     rcv_bytes_per_s: Annotated[float, Range(ge=0)] | None = None
     counters: Annotated[dict[str, Count], Len(128)] | None = None
+    # Counters left out of ``counters`` and why: {"symbol_error": "saturated at 65535 (16-bit)..."}.
+    unavailable: Annotated[dict[str, Annotated[str, Len(128)]], Len(128)] | None = None
 
 
 EventKind = Literal["xid", "nccl", "kmsg", "error", "watchdog", "checkpoint", "agent", "hook"]
