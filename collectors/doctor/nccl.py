@@ -1,0 +1,385 @@
+"""NCCL debug output (``NCCL_DEBUG=INFO``): one line grammar, two consumers.
+
+* :class:`NcclStreamParser` - for the agent tailing live log files: ``feed(line)`` returns wire ``Event`` dicts
+  (without ``ts``) for the few lines worth keeping, each kind of fact once.
+* :class:`NcclFacts` - for the doctor: accumulates the facts of a whole (multi-rank) log and proposes findings.
+
+A record looks like ``[prefix]host:pid:tid [dev] [file.cc:123 ]NCCL INFO|WARN message``; NCCL before 2.3 printed
+``host:pid:tid [dev] INFO message`` (no "NCCL"). The version banner ``NCCL version 2.21.5+cuda12.4`` comes bare or
+as an INFO message. Anything can precede the host (``[1,3]<stdout>:``, ``[rank3]:``, timestamps, pdsh ``host: ``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from collectors.doctor.report import Finding
+from collectors.doctor.text import clean_line, sanitize
+
+_LEVELS = (" NCCL INFO ", " NCCL WARN ", " INFO ", " WARN ", " NCCL TRACE ", " NCCL ABORT ")
+# host:pid:tid [dev] with an optional "file.cc:123" (WARN lines) and optional "NCCL"; anchored at the level.
+_HEAD_RE = re.compile(r"(?:^|[\s|>\]:])(?P<host>[^\s:|\[\]]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\]"
+                      r"(?: [\w./+-]+:\d+)?(?: NCCL)?$")
+_VERSION_RE = re.compile(r"NCCL version (?P<v>\d+\.\d+\.\d+[\w.+-]*)")
+_NRANKS_RE = re.compile(r"\bnranks (\d+)")
+_RANK_RE = re.compile(r"\brank (\d+) nranks")
+_COMM_RE = re.compile(r"\bcomm (0x[0-9a-fA-F]+)")
+_ENV_RE = re.compile(r"^(?P<name>NCCL_\w+|CUDA_\w+) set by environment to (?P<value>.*?)\.?$")
+_NETWORK_RE = re.compile(r"^Using (?:internal )?[Nn]etwork (?P<net>.+?)\s*$")
+_VIA_RE = re.compile(r" via (?P<via>.+?)\s*$")
+_ERRRET_RE = re.compile(r"^[\w./+-]+:\d+ -> (?P<code>\d+)")
+# "Got completion from peer 10.0.0.2<49392> with error 12, opcode 0, len 0, vendor err 129 (Recv)" (<=2.18) and
+# "... with status=12 opcode=1 len=0 vendor err 129 (Send) localGid ..." (>=2.19); "from peer" is absent before 2.12.
+_IBWC_RE = re.compile(r"Got completion (?:from peer (?P<peer>\S+) )?with (?:error |status=)(?P<status>\d+)"
+                      r".*?vendor err (?P<vendor>\d+)")
+
+# ibv_wc_status, from the verbs API: what an IB completion error number means.
+IB_WC_STATUS = {
+    1: "local length error", 2: "local QP operation error", 3: "local EE context operation error",
+    4: "local protection error", 5: "work request flushed", 6: "memory window bind error",
+    7: "bad response", 8: "local access error", 9: "remote invalid request", 10: "remote access error",
+    11: "remote operation error", 12: "transport retry counter exceeded", 13: "RNR retry counter exceeded",
+    14: "local RDD violation", 15: "remote invalid RD request", 16: "remote aborted", 17: "invalid EE context number",
+    18: "invalid EE context state", 19: "fatal error", 20: "response timeout", 21: "general error",
+}
+# ncclResult_t, for the "file.cc:123 -> N" error-return chains.
+NCCL_RESULT = {1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError", 4: "ncclInvalidArgument",
+               5: "ncclInvalidUsage", 6: "ncclRemoteError", 7: "ncclInProgress"}
+# WARN lines that do not by themselves mean the job failed.
+_BENIGN_WARN = ("NUMA auto balancing", "Failed to open libibverbs", "Unable to open device", "Ignoring",
+                "GDR is not supported", "Could not find real path")
+
+
+@dataclass(slots=True)
+class NcclRecord:
+    host: str | None
+    dev: int | None
+    level: str  # "INFO", "WARN", "VERSION"
+    msg: str
+    line: str  # the cleaned line from the host on (what the person would quote)
+
+
+_head_cache: dict[str, tuple[str, int, int] | None] = {}
+
+
+def _head(pre: str) -> tuple[str, int, int] | None:
+    """(host, dev, start of host in pre) for the text before the level marker; cached, prefixes repeat."""
+    hit = _head_cache.get(pre, False)
+    if hit is not False:
+        return hit  # type: ignore[return-value]
+    m = _HEAD_RE.search(pre)
+    out = (m["host"], int(m["dev"]), m.start("host")) if m else None
+    if len(_head_cache) > 20000:
+        _head_cache.clear()
+    _head_cache[pre] = out
+    return out
+
+
+def parse_record(line: str) -> NcclRecord | None:
+    """The NCCL record in an already-cleaned line, or ``None`` when the line is not NCCL's."""
+    for marker in _LEVELS:
+        i = line.find(marker)
+        if i >= 0:
+            head = _head(line[:i])
+            if head is not None:
+                level = "WARN" if "WARN" in marker else "INFO"
+                return NcclRecord(head[0], head[1], level, line[i + len(marker):], line[head[2]:])
+    if "NCCL version " in line:
+        m = _VERSION_RE.search(line)
+        if m:
+            return NcclRecord(None, None, "VERSION", m["v"], line.strip())
+    return None
+
+
+def normalize_transport(via: str) -> str:
+    """'NET/IB/0/GDRDMA' -> 'IB', 'P2P/IPC/read' -> 'P2P/IPC', 'NET/AWS Libfabric/0' -> 'AWS Libfabric'."""
+    via = via.strip()
+    if via.startswith("NET/"):
+        name = re.split(r"/\d|\(|/GDRDMA|/Shared", via[4:], maxsplit=1)[0].rstrip("/ ")
+        return name or "NET"
+    if via.startswith("P2P/"):
+        if "CUMEM" in via:
+            return "P2P/CUMEM"
+        return "P2P/" + via[4:].split("/")[0]
+    low = via.lower()
+    if low.startswith("shm") or "shared memory" in low:
+        return "SHM"
+    if low.startswith("nvls"):
+        return "NVLS"
+    if low.startswith("collnet"):
+        return "CollNet"
+    return via.split("/")[0].split(" ")[0] or via
+
+
+_transport_cache: dict[str, tuple[str, bool | None]] = {}
+
+
+def transport_of(via: str) -> tuple[str, bool | None]:
+    """(normalised transport, gdr) where gdr is None for intra-node transports."""
+    hit = _transport_cache.get(via)
+    if hit is None:
+        name = normalize_transport(via)
+        gdr = ("GDRDMA" in via) if via.startswith("NET/") else None
+        hit = (name, gdr)
+        if len(_transport_cache) < 4096:
+            _transport_cache[via] = hit
+    return hit
+
+
+def ib_completion(msg: str) -> dict[str, str] | None:
+    m = _IBWC_RE.search(msg)
+    if not m:
+        return None
+    status = int(m["status"])
+    out = {"status": str(status), "status_name": IB_WC_STATUS.get(status, "unknown"), "vendor_err": m["vendor"]}
+    if m["peer"]:
+        out["peer"] = m["peer"]
+    return out
+
+
+def is_fatal_warn(msg: str) -> bool:
+    return not any(b in msg for b in _BENIGN_WARN)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The doctor's accumulator.
+
+
+class NcclFacts:
+    """Facts of a whole NCCL log. ``feed`` returns True when the line was NCCL's (parsed, even if uninteresting)."""
+
+    MAX_WARNINGS = 1000
+
+    def __init__(self) -> None:
+        self.version: str | None = None
+        self.hosts: dict[str, None] = {}
+        self.nranks: int | None = None
+        self.transports: dict[str, None] = {}
+        self.network: str | None = None
+        self.gdr_used = False
+        self.gdr_off = False
+        self.env: dict[str, str] = {}
+        self.env_drift: dict[str, set[str]] = {}
+        self.warnings: dict[str, None] = {}
+        self.error_codes: dict[int, int] = {}
+        self.ib_errors: list[dict[str, str]] = []
+        self.ib_missing = False
+        self.plugin_failed: str | None = None
+        self.failed = False
+        self.records = 0
+
+    def feed(self, line: str) -> bool:
+        rec = parse_record(line)
+        if rec is None:
+            return False
+        self.records += 1
+        if rec.level == "VERSION":
+            self.version = self.version or rec.msg
+            return True
+        host = rec.host
+        if host is not None and host not in self.hosts:
+            self.hosts[host] = None
+        msg = rec.msg
+        if rec.level == "WARN":
+            self._warn(rec)
+        elif " via " in msg:
+            self._via(msg)
+        else:
+            self._info(msg)
+        return True
+
+    def _via(self, msg: str) -> None:
+        m = _VIA_RE.search(msg)
+        if m:
+            name, gdr = transport_of(m["via"])
+            if name not in self.transports:
+                self.transports[name] = None
+            if gdr is True:
+                self.gdr_used = True
+            elif gdr is False:
+                self.gdr_off = True
+
+    def _info(self, msg: str) -> None:
+        c = msg[:1]
+        if c == "U" and msg.startswith("Using"):
+            m = _NETWORK_RE.match(msg)
+            if m:
+                self.network = m["net"]
+        elif " set by environment to " in msg:
+            self._env(msg)
+        elif "nranks " in msg:
+            m = _NRANKS_RE.search(msg)
+            if m:
+                self.nranks = max(self.nranks or 0, int(m.group(1)))
+        elif "-> " in msg:
+            m = _ERRRET_RE.match(msg)
+            if m and m["code"] != "0":
+                code = int(m["code"])
+                self.error_codes[code] = self.error_codes.get(code, 0) + 1
+                self.failed = True
+        elif c == "N" and msg.startswith("NCCL version"):
+            m = _VERSION_RE.match(msg)
+            if m:
+                self.version = self.version or m["v"]
+        elif "GPU Direct RDMA " in msg or "GPUDirect RDMA" in msg:
+            if "Disabled" in msg or "disabled" in msg:
+                self.gdr_off = True
+            elif "Enabled" in msg or "enabled" in msg:
+                self.gdr_used = True
+        elif msg.startswith("NET/IB : No device found"):
+            self.ib_missing = True
+        elif "Abort" in msg or "Init FAILED" in msg:
+            self.failed = True
+        elif msg.startswith("NET/Plugin") and ("Failed" in msg or "failed" in msg or "returned" in msg):
+            self.plugin_failed = self.plugin_failed or msg
+
+    def _env(self, msg: str) -> None:
+        m = _ENV_RE.match(msg.strip())
+        if not m:
+            return
+        name, value = m["name"], m["value"]
+        old = self.env.setdefault(name, value)
+        if old != value:
+            self.env_drift.setdefault(name, {old}).add(value)
+
+    def _warn(self, rec: NcclRecord) -> None:
+        text = rec.line.rstrip()
+        if len(self.warnings) < self.MAX_WARNINGS and text not in self.warnings:
+            self.warnings[text] = None
+        msg = rec.msg
+        if is_fatal_warn(msg):
+            self.failed = True
+        if "completion" in msg:
+            info = ib_completion(msg)
+            if info and len(self.ib_errors) < 100:
+                self.ib_errors.append(info)
+        if "libibverbs" in msg or "Unable to open device" in msg:
+            self.ib_missing = True
+
+    def gdr(self) -> bool | None:
+        if self.gdr_used:
+            return True
+        return False if self.gdr_off else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "nccl_version": self.version,
+            "hosts": sorted(self.hosts),
+            "nranks": self.nranks,
+            "transports": list(self.transports),
+            "network": self.network,
+            "gdr": self.gdr(),
+            "env": dict(sorted(self.env.items())),
+            "warnings": list(self.warnings),
+            "failed": self.failed,
+        }
+
+    def findings(self) -> list[Finding]:
+        from collectors.doctor.verdicts import nccl_findings
+
+        return nccl_findings(self)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The agent's live parser.
+
+
+class NcclStreamParser:
+    """Turns live NCCL log lines into wire ``Event`` dicts (``ts`` left to the caller).
+
+    Keeps: WARN lines (every one), the version banner, "Using network", the transports in use (once per
+    transport), NCCL_* "set by environment" (once per value), communicator init with nranks (once per comm and
+    rank), IB completion errors (as WARN events with their decoded status), and the socket fallback. Memory is
+    bounded: the de-duplication sets stop growing at ``MAX_SEEN`` entries."""
+
+    MAX_SEEN = 10000
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, ...]] = set()
+
+    def feed(self, line: str) -> list[dict[str, Any]]:
+        # Fast reject: the agent tails busy training logs; nearly every line carries neither marker.
+        if "INFO" not in line and "WARN" not in line and "NCCL" not in line:
+            return []
+        rec = parse_record(clean_line(line))
+        if rec is None:
+            return []
+        if rec.level == "WARN":
+            return [self._warn_event(rec)]
+        if rec.level == "VERSION":
+            return self._once(("version", rec.msg), "info", rec, {"fact": "version", "version": rec.msg})
+        return self._info_event(rec)
+
+    def _once(self, key: tuple[str, ...], severity: str, rec: NcclRecord, data: dict[str, str],
+              rank: int | None = None) -> list[dict[str, Any]]:
+        if key in self._seen:
+            return []
+        if len(self._seen) < self.MAX_SEEN:
+            self._seen.add(key)
+        return [_event(severity, rec, data, rank)]
+
+    def _warn_event(self, rec: NcclRecord) -> dict[str, Any]:
+        data = {"fact": "warn", "warn": sanitize(rec.msg, 1000)}
+        severity = "error" if is_fatal_warn(rec.msg) else "warning"
+        ib = ib_completion(rec.msg) if "completion" in rec.msg else None
+        if ib:
+            data.update(ib, fact="ib_error")
+        return _event(severity, rec, data)
+
+    def _info_event(self, rec: NcclRecord) -> list[dict[str, Any]]:
+        msg, host = rec.msg, rec.host or ""
+        if " via " in msg:
+            m = _VIA_RE.search(msg)
+            if not m:
+                return []
+            name, gdr = transport_of(m["via"])
+            data = {"fact": "transport", "transport": name}
+            if gdr is not None:
+                data["gdr"] = "true" if gdr else "false"
+            severity = "warning" if name == "Socket" else "info"
+            return self._once(("transport", host, name, data.get("gdr", "")), severity, rec, data)
+        if msg.startswith("Using"):
+            m = _NETWORK_RE.match(msg)
+            if m:
+                net = m["net"]
+                severity = "warning" if net == "Socket" else "info"
+                return self._once(("network", host, net), severity, rec, {"fact": "network", "network": net})
+        if " set by environment to " in msg:
+            m = _ENV_RE.match(msg.strip())
+            if m:
+                data = {"fact": "env", "name": m["name"], "value": m["value"][:1000]}
+                return self._once(("env", host, m["name"], m["value"]), "info", rec, data)
+        if "nranks " in msg:
+            return self._init_event(rec)
+        if msg.startswith("NCCL version"):
+            m = _VERSION_RE.match(msg)
+            if m:
+                return self._once(("version", host, m["v"]), "info", rec, {"fact": "version", "version": m["v"]})
+        if msg.startswith("NET/IB : No device found"):
+            return self._once(("no_ib", host), "warning", rec, {"fact": "fallback", "reason": "no IB device"})
+        return []
+
+    def _init_event(self, rec: NcclRecord) -> list[dict[str, Any]]:
+        m = _NRANKS_RE.search(rec.msg)
+        if not m or "Init START" in rec.msg:
+            return []
+        rank_m, comm_m = _RANK_RE.search(rec.msg), _COMM_RE.search(rec.msg)
+        rank = int(rank_m.group(1)) if rank_m else None
+        data = {"fact": "init", "nranks": m.group(1)}
+        if comm_m:
+            data["comm"] = comm_m.group(1)
+        key = ("init", rec.host or "", data.get("comm", ""), str(rank))
+        return self._once(key, "info", rec, data, rank if rank is not None and rank <= 1_000_000 else None)
+
+
+def _event(severity: str, rec: NcclRecord, data: dict[str, str], rank: int | None = None) -> dict[str, Any]:
+    if rec.host:
+        data["host"] = rec.host[:253]
+    if rec.dev is not None:
+        data["dev"] = str(rec.dev)
+    out: dict[str, Any] = {"kind": "nccl", "severity": severity, "message": sanitize(rec.line, 2000), "data": data}
+    if rank is not None:
+        out["rank"] = rank
+    return out
