@@ -1,0 +1,386 @@
+"""``Monitor``: two lines in a plain PyTorch loop, and what the Lightning and HF adapters drive.
+
+    mon = Monitor(run="llama-8b", model=model)
+    for batch in mon.loader(dataloader):          # the wait for each batch
+        with mon.step(tokens=batch.numel()):       # the step: compute, communication, phases
+            ...
+            mon.log(loss=loss)
+
+Everything the training thread calls is a few attribute updates and clock reads; records are built from them and
+queued for the :class:`~trainer_hooks.transport.Shipper`. No method raises because of measuring or shipping.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from trainer_hooks import meta
+from trainer_hooks.timing import CudaClock, StepTimer, perf_counter
+from trainer_hooks.transport import Config, Shipper
+
+_META_EVERY_S = 300.0  # re-send the run metadata this often even unchanged: an agent or server may have restarted
+_MEM_EVERY_S = 1.0  # torch's allocator statistics cost tens of µs; once a second is enough for memory pressure
+
+
+class Monitor:
+    """Measures each training step of this rank and ships it; see the module docstring for the two-line use.
+
+    ``run`` names the run (every rank must agree): given, or ``$CLUSTERDX_RUN``, or the Slurm / torchrun job id.
+    ``model`` gives the parameter count; ``flops_per_token`` defaults to 6·N. ``dtype`` picks the GPU peak the
+    server computes MFU against (``"bf16"`` on CUDA unless told). ``parallel`` holds the parallelism sizes
+    (``{"tp": 8, "pp": 4}``; ``dp`` defaults to world size / (tp·pp)). ``device="cpu"`` forces host timing.
+    ``transport``: ``auto`` (agent, else server), ``agent``, ``server`` or ``off``; the other transport settings
+    come from the ``CLUSTERDX_*`` environment (see docs/training-hooks.md)."""
+
+    def __init__(self, run: str | None = None, *, model: Any = None, params: int | None = None,
+                 flops_per_token: float | None = None, dtype: Any = None, parallel: dict[str, int] | None = None,
+                 device: Any = None, transport: str | None = None, queue_size: int | None = None,
+                 interval: float | None = None, start_step: int = 0, server: str | None = None,
+                 token: str | None = None) -> None:
+        self.host = meta.hostname()
+        self._ident = meta.identity()
+        named = run or meta.default_run_name()
+        self.run = meta.ident(named) if named else meta.ident(f"local-{self.host}-{os.getpid()}")
+        config = Config.from_env(mode=transport, queue_size=queue_size, interval=interval, server=server,
+                                 token=token)
+        self.shipper = Shipper(self.host, config)
+        if named is None:
+            self.shipper.warn_once("run", "clusterdx hooks: no run name (Monitor(run=...) or CLUSTERDX_RUN); "
+                                          f"ranks will not be grouped; using {self.run}")
+        self.timer = StepTimer(self.run, self._ident.rank, self._emit_step)
+        self.timer.step = start_step
+        self.timer.on_nonfinite = self._nonfinite
+        self._device_choice = device
+        self._device: Any = None  # the torch CUDA device once chosen; None means host timing
+        self._started = False
+        self._dist_seen = self._ident.source == "torch.distributed"
+        self._static: dict[str, Any] = {"versions": meta.versions(), "env": meta.relevant_env()}
+        self._meta_parts: dict[str, Any] = {"dtype": meta.dtype_name(dtype), "parallel": dict(parallel or {})}
+        self._params, self._flops_per_token = params, flops_per_token
+        self._last_meta: dict[str, Any] | None = None
+        self._meta_dirty = True
+        self._meta_due = 0.0
+        self._warned_metrics: set[str] = set()
+        self._step_ctx = _StepContext(self)
+        self._phases: dict[str, _Phase] = {}
+        self._comm_ctx = _Comm(self.timer)
+        if model is not None:
+            self.watch(model)
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+    def loader(self, iterable: Iterable[Any]) -> _TimedLoader:
+        """Wraps a DataLoader (or any iterable): the time spent waiting for each batch is the step's data wait."""
+        self.watch_loader(iterable)
+        return _TimedLoader(iterable, self.timer)
+
+    def step(self, step: int | None = None, tokens: int | None = None, samples: int | None = None) -> _StepContext:
+        """``with mon.step(...)``: one training step. ``step`` defaults to a counter from ``start_step``."""
+        ctx = self._step_ctx
+        ctx.args = (step, tokens, samples)
+        return ctx
+
+    def begin_step(self, step: int | None = None, tokens: int | None = None, samples: int | None = None) -> None:
+        if not self._started:
+            self._start()
+        elif not self._dist_seen:
+            self._refresh_identity()
+        self.timer.begin(step, tokens, samples)
+
+    def end_step(self, tokens: int | None = None, samples: int | None = None) -> None:
+        timer = self.timer
+        if tokens is not None or samples is not None:
+            timer.count(tokens, samples)
+        timer.end()
+        if self._meta_dirty or timer._begin_host > self._meta_due:
+            self._send_meta()
+
+    def phase(self, name: str) -> _Phase:
+        """``with mon.phase("forward")``: time a part of the step (reported in the step's ``phases``)."""
+        ctx = self._phases.get(name)
+        if ctx is None:
+            ctx = self._phases[name] = _Phase(self.timer, name[:128])
+        return ctx
+
+    def comm(self) -> _Comm:
+        """``with mon.comm()``: around a hand-written collective, counted in ``comm_s`` like DDP's all-reduces."""
+        return self._comm_ctx
+
+    def log(self, **values: Any) -> None:
+        """Loss, grad norm, learning rate...: attached to the current step (or the next, between steps).
+
+        Tensors are fine: a CUDA tensor is copied to the host without blocking and read once its step's events
+        are done, so logging a loss adds no synchronize."""
+        deferred = self.timer.clock.deferred
+        for key, value in values.items():
+            if hasattr(value, "detach"):
+                values[key] = _host_scalar(value, deferred)
+        self.timer.log(values)
+
+    def checkpoint_saved(self, step: int | None = None, path: str | None = None) -> None:
+        step = self.timer.step if step is None else step
+        now = time.time()
+        self._meta_parts.update(last_checkpoint_step=step, last_checkpoint_ts=now)
+        event: dict[str, Any] = {"ts": now, "kind": "checkpoint", "message": f"checkpoint saved at step {step}",
+                                 "run": self.run, "rank": self._ident.rank, "step": step}
+        if path:
+            event["data"] = {"path": os.fspath(path)[:1024]}
+        self.shipper.put("events", event)
+        self._meta_dirty = True
+
+    # -- what the run is -------------------------------------------------------------------------------------------
+    def watch(self, model: Any) -> None:
+        """The model: its parameter count (and 6·N FLOPs per token unless given)."""
+        if self._params is None:
+            self._params = meta.count_params(model)
+            self._meta_dirty = True
+
+    def watch_loader(self, loader: Any) -> None:
+        info = meta.dataloader_info(loader)
+        if info is not None:
+            self._meta_parts["dataloader"] = info
+            self._meta_dirty = True
+
+    def set_identity(self, rank: int, world_size: int, local_rank: int | None = None) -> None:
+        """For frameworks that know better than the environment (Lightning, HF)."""
+        self._ident = meta.Identity(rank, world_size, local_rank, "framework")
+        self._dist_seen = True
+        self.timer.rank = rank
+        self._meta_dirty = True
+
+    def set_dtype(self, dtype: Any) -> None:
+        """The framework's precision, unless the user named a dtype."""
+        if self._meta_parts["dtype"] is None and meta.dtype_name(dtype) is not None:
+            self._meta_parts["dtype"] = meta.dtype_name(dtype)
+            self._meta_dirty = True
+
+    def set_parallel(self, **sizes: int) -> None:
+        self._meta_parts["parallel"].update({k: int(v) for k, v in sizes.items() if v})
+        self._meta_dirty = True
+
+    def ddp_comm_hook(self, ddp_model: Any, hook: Any = None, state: Any = None) -> None:
+        """Time DDP's gradient all-reduces (``hook``/``state``: a hook of yours to wrap; default: torch's)."""
+        from trainer_hooks.ddp import register_comm_hook
+
+        register_comm_hook(ddp_model, self.timer, hook=hook, state=state)
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Drops by reason, what was sent, and steps shipped without GPU timings (their events were late)."""
+        return {"dropped": dict(self.shipper.dropped), "sent": dict(self.shipper.sent), "late": self.timer.late,
+                "transport": self.shipper.config.mode}
+
+    def flush(self, timeout: float = 2.0) -> bool:
+        return self.shipper.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Ships pending steps (waiting for their GPU events: training is over) and what is queued."""
+        try:
+            self.timer.poll(force=True)
+        except Exception as exc:  # a dead CUDA context at exit must not raise
+            self.shipper.warn_once("close", f"clusterdx hooks: pending steps lost at close: {exc!r}")
+        self.shipper.close(timeout)
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        self._started = True
+        self._refresh_identity()
+        self._device = _cuda_device(self._device_choice)
+        if self._device is not None:
+            torch = sys.modules["torch"]
+            device = self._device
+            self.timer.clock = CudaClock(lambda: torch.cuda.Event(enable_timing=True))
+            self.timer.set_memory_probe(_MemoryProbe(torch, device))
+            self._meta_parts.update(meta.gpu_info(device))
+            self._meta_parts.pop("mem_total_bytes", None)
+            if self._meta_parts["dtype"] is None:
+                self._meta_parts["dtype"] = "bf16"
+        self._send_meta()
+
+    def _refresh_identity(self) -> None:
+        current = meta.identity()
+        if current.source == "torch.distributed":
+            self._dist_seen = True
+        if (current.rank, current.world_size) != (self._ident.rank, self._ident.world_size):
+            self._ident = current
+            self.timer.rank = current.rank
+            self._meta_dirty = True
+
+    def _emit_step(self, record: dict[str, Any]) -> None:
+        self.shipper.put("steps", record)
+
+    def _nonfinite(self, step: int, key: str) -> None:
+        if key in self._warned_metrics:
+            return
+        self._warned_metrics.add(key)
+        self.shipper.put("events", {
+            "ts": time.time(), "kind": "hook", "severity": "warning", "run": self.run, "rank": self._ident.rank,
+            "step": step, "message": f"{key[:128]} is not a finite number (first seen at step {step})",
+        })
+
+    def _send_meta(self) -> None:
+        self._meta_dirty = False
+        self._meta_due = perf_counter() + _META_EVERY_S
+        try:
+            record = self._meta()
+        except Exception as exc:  # metadata is nice to have; a surprise in it must not cost the steps
+            self.shipper.warn_once("meta", f"clusterdx hooks: run metadata unavailable: {exc!r}")
+            return
+        same = self._last_meta is not None and {**self._last_meta, "ts": 0} == {**record, "ts": 0}
+        if not same or time.time() - self._last_meta["ts"] >= _META_EVERY_S:  # type: ignore[index]
+            self._last_meta = record
+            self.shipper.put("runs", record)
+
+    def _meta(self) -> dict[str, Any]:
+        ident, parts = self._ident, self._meta_parts
+        record: dict[str, Any] = {"run": self.run, "rank": ident.rank, "world_size": ident.world_size,
+                                  "ts": time.time(), "host": self.host, **self._static}
+        if ident.local_rank is not None:
+            record["local_rank"] = ident.local_rank
+        for key in ("gpu_index", "gpu_uuid", "gpu_name", "dataloader", "dtype", "last_checkpoint_step",
+                    "last_checkpoint_ts"):
+            if parts.get(key) is not None:
+                record[key] = parts[key]
+        record["parallel"] = _parallel(parts["parallel"], ident.world_size)
+        if self._params is not None:
+            record["params"] = self._params
+        flops = self._flops_per_token or (6.0 * self._params if self._params else None)
+        if flops is not None:
+            record["flops_per_token"] = float(flops)
+        peak = meta.peak_flops(parts.get("gpu_name"), parts.get("dtype"))
+        if peak is not None:
+            record["peak_flops"] = peak
+        return record
+
+
+def _parallel(given: dict[str, int], world_size: int) -> dict[str, int]:
+    sizes = {k: max(1, int(v)) for k, v in given.items()}
+    if "dp" not in sizes:
+        model_parallel = 1
+        for key in ("tp", "pp", "cp", "ep"):
+            model_parallel *= sizes.get(key, 1)
+        sizes["dp"] = max(1, world_size // model_parallel)
+    return sizes
+
+
+def batch_size(batch: Any) -> int | None:
+    """Samples in a batch: the leading dimension of its first tensor (a tensor, a sequence or a mapping)."""
+    for _ in range(3):
+        if hasattr(batch, "shape"):
+            return int(batch.shape[0]) if len(batch.shape) else None
+        if isinstance(batch, dict):
+            batch = next(iter(batch.values()), None)
+        elif isinstance(batch, list | tuple):
+            batch = batch[0] if batch else None
+        else:
+            return None
+    return None
+
+
+def _cuda_device(choice: Any) -> Any:
+    """The CUDA device to time on, or None for host timing. Never initialises CUDA itself."""
+    torch = sys.modules.get("torch")
+    if torch is None or (choice is not None and str(choice).startswith("cpu")):
+        return None
+    if choice is not None and str(choice).startswith("cuda"):
+        return torch.device(choice)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _host_scalar(value: Any, deferred: bool) -> Any:
+    value = value.detach()
+    if deferred and value.is_cuda:
+        return value.to("cpu", non_blocking=True)  # read after the step's events are done: no synchronize
+    return value.item() if value.numel() == 1 else None
+
+
+class _MemoryProbe:
+    def __init__(self, torch: Any, device: Any) -> None:
+        self._cuda, self._device = torch.cuda, device
+        self._due = 0.0
+        self._last: tuple[int | None, int | None] = (None, None)
+
+    def __call__(self) -> tuple[int | None, int | None]:
+        now = perf_counter()
+        if now >= self._due:
+            self._due = now + _MEM_EVERY_S
+            self._last = (self._cuda.memory_allocated(self._device), self._cuda.memory_reserved(self._device))
+        return self._last
+
+
+class _TimedLoader:
+    """The wrapped iterable. ``len()`` passes through so progress bars keep working."""
+
+    def __init__(self, source: Iterable[Any], timer: StepTimer) -> None:
+        self._source, self._timer = source, timer
+
+    def __len__(self) -> int:
+        return len(self._source)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        it, timer, clock = iter(self._source), self._timer, perf_counter
+        while True:
+            start = clock()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            timer.add_fetch(start, clock())
+            yield batch
+
+
+class _StepContext:
+    __slots__ = ("args", "mon")
+
+    def __init__(self, mon: Monitor) -> None:
+        self.mon = mon
+        self.args: tuple[int | None, int | None, int | None] = (None, None, None)
+
+    def __enter__(self) -> _StepContext:
+        self.mon.begin_step(*self.args)
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.mon.end_step()
+        else:
+            self.mon.timer.abort()
+
+
+class _Phase:
+    __slots__ = ("name", "start", "timer")
+
+    def __init__(self, timer: StepTimer, name: str) -> None:
+        self.timer, self.name, self.start = timer, name, None
+
+    def __enter__(self) -> _Phase:
+        self.start = self.timer.phase_begin()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.timer.phase_end(self.name, self.start)
+
+
+class _Comm:
+    __slots__ = ("timer", "token")
+
+    def __init__(self, timer: StepTimer) -> None:
+        self.timer, self.token = timer, None
+
+    def __enter__(self) -> _Comm:
+        self.token = self.timer.comm_begin()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.timer.comm_end(self.token)  # type: ignore[arg-type]

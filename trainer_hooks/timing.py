@@ -1,0 +1,318 @@
+"""The arithmetic of a training step, with no framework import: data wait, compute, communication, phases.
+
+A step's window starts when the loop asks for its batch and ends when the step body ends::
+
+    |-- data wait --|.....|------------------- body ------------------------|
+    fetch begin   fetch end  begin     [comm]  [comm]          [comm]        end
+                                        ^ first collective: comm_arrive_s
+
+* ``step_time_s``  window length (host clock);
+* ``data_wait_s``  the fetch (host clock);
+* ``comm_s``       time during which at least one collective of the step was in flight (union of intervals;
+  DDP's bucket all-reduces overlap each other and the backward pass, so a plain sum would count twice);
+* ``compute_s``    body minus ``comm_s``: a rank that waits for its peers shows comm, the late one shows compute;
+* ``comm_arrive_s`` when this rank launched its first collective, from the window start: the last to arrive is
+  the rank the others waited for, whether its batch or its compute was slow.
+
+Body, phases and collectives are measured with a *clock*: on the CPU ``perf_counter``; on CUDA, events recorded
+on the current stream and read only once :meth:`CudaClock.ready` says the GPU got there — a step or two later,
+so the hook never synchronizes. Steps whose events are not done after ``max_pending`` steps are shipped without
+GPU timings instead of waiting.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+perf_counter = time.perf_counter
+
+
+class Clock(Protocol):
+    deferred: bool  # True when marks are read later (CUDA events), False when they are times already
+
+    def mark(self) -> Any: ...
+
+    def ready(self, mark: Any) -> bool: ...
+
+    def seconds(self, start: Any, end: Any) -> float: ...
+
+    def release(self, mark: Any) -> None: ...
+
+
+class CpuClock:
+    deferred = False
+
+    mark = staticmethod(perf_counter)
+
+    @staticmethod
+    def ready(mark: Any) -> bool:
+        return True
+
+    @staticmethod
+    def seconds(start: Any, end: Any) -> float:
+        return end - start
+
+    @staticmethod
+    def release(mark: Any) -> None:
+        return None
+
+
+class CudaClock:
+    """CUDA events from a recycled pool (creating an event per mark would cost more than recording it)."""
+
+    deferred = True
+
+    def __init__(self, event_factory: Callable[[], Any]) -> None:
+        self._new = event_factory
+        self._pool: list[Any] = []
+
+    def mark(self) -> Any:
+        event = self._pool.pop() if self._pool else self._new()
+        event.record()  # on the current stream: the GPU reaches it after the work queued so far
+        return event
+
+    @staticmethod
+    def ready(mark: Any) -> bool:
+        return bool(mark.query())  # cudaEventQuery: never blocks
+
+    @staticmethod
+    def seconds(start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1000.0
+
+    def release(self, mark: Any) -> None:
+        if len(self._pool) < 256:
+            self._pool.append(mark)
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping intervals."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        elif end > cur_end:
+            cur_end = end
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+class _Finished:
+    """A step whose host times are known and whose clock marks may still be in flight on the GPU."""
+
+    __slots__ = ("begin", "comms", "data_wait", "end", "lead", "mem", "metrics", "phases", "samples", "step",
+                 "step_time", "tokens", "ts")
+
+    def __init__(self, step: int, ts: float, step_time: float, data_wait: float | None, lead: float, begin: Any,
+                 end: Any, phases: list[Any], comms: list[Any], tokens: int | None, samples: int | None,
+                 metrics: dict[str, Any], mem: tuple[int | None, int | None]) -> None:
+        self.step, self.ts, self.step_time, self.data_wait, self.lead = step, ts, step_time, data_wait, lead
+        self.begin, self.end, self.phases, self.comms = begin, end, phases, comms
+        self.tokens, self.samples, self.metrics, self.mem = tokens, samples, metrics, mem
+
+
+class StepTimer:
+    """Measures steps and hands finished records (plain dicts shaped as wire ``Step``) to ``emit``.
+
+    Call order per step: ``fetch_begin``/``fetch_end`` (optional), ``begin``, any number of ``phase_*`` and
+    ``comm_*``, ``end``. ``comm_begin``/``comm_end`` may be called from another thread (gloo completes
+    collectives on its own threads). Nothing here raises into the training loop for bad timing data.
+    """
+
+    def __init__(self, run: str, rank: int, emit: Callable[[dict[str, Any]], None], clock: Clock | None = None,
+                 max_pending: int = 8) -> None:
+        self.run, self.rank, self._emit = run, rank, emit
+        self.clock: Clock = clock or CpuClock()
+        self.max_pending = max_pending
+        # Told (step, metric name) when a logged value is NaN or infinite: the wire cannot carry it, the run must know.
+        self.on_nonfinite: Callable[[int, str], None] | None = None
+        self.late = 0  # steps shipped without GPU timings because their events were not done in time
+        self.step = 0  # the number the next step gets
+        self._pending: deque[_Finished] = deque()
+        self._fetch: tuple[float, float] | None = None
+        self._fetch_t0 = 0.0
+        self._open = False
+        self._begin_host = 0.0
+        self._begin_mark: Any = None
+        self._phases: list[tuple[str, Any, Any]] = []
+        self._comms: list[tuple[Any, Any]] = []
+        self._metrics: dict[str, Any] = {}
+        self._mem: Callable[[], tuple[int | None, int | None]] | None = None
+        self._step_args: tuple[int | None, int | None, int | None] = (None, None, None)
+
+    # -- the data wait ------------------------------------------------------------------------------------------
+    def fetch_begin(self) -> None:
+        self._fetch_t0 = perf_counter()
+
+    def fetch_end(self) -> None:
+        self._fetch = (self._fetch_t0, perf_counter())
+
+    def add_fetch(self, start: float, end: float) -> None:
+        """A fetch measured by the caller (the loader wrapper inlines its clock reads)."""
+        self._fetch = (start, end)
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    def begin(self, step: int | None = None, tokens: int | None = None, samples: int | None = None) -> None:
+        if self._open:  # a step that never ended (an exception between begin and end): forget it
+            self._reset()
+        self._open = True
+        self._step_args = (step, tokens, samples)
+        self._begin_host = now = perf_counter()
+        self._begin_mark = now if not self.clock.deferred else self.clock.mark()
+
+    def count(self, tokens: int | None = None, samples: int | None = None) -> None:
+        """Tokens or samples known only once the step ran (variable-length batches, framework counters)."""
+        step, old_tokens, old_samples = self._step_args
+        self._step_args = (step, old_tokens if tokens is None else tokens, old_samples if samples is None else samples)
+
+    def end(self) -> None:
+        if not self._open:
+            return
+        clock = self.clock
+        end_mark = clock.mark()
+        end_host = end_mark if not clock.deferred else perf_counter()
+        step, tokens, samples = self._step_args
+        if step is None:
+            step = self.step
+        self.step = step + 1
+        fetch, self._fetch = self._fetch, None
+        start = fetch[0] if fetch is not None else self._begin_host
+        mem = self._mem() if self._mem is not None else (None, None)
+        done = _Finished(
+            step, time.time(), end_host - start, (fetch[1] - fetch[0]) if fetch is not None else None,
+            self._begin_host - start, self._begin_mark, end_mark, self._phases, self._comms, tokens, samples,
+            self._metrics, mem,
+        )
+        self._open = False
+        self._phases, self._comms, self._metrics = [], [], {}
+        if not clock.deferred:
+            self._emit(self._record(done, timed=True))
+            return
+        self._pending.append(done)
+        self.poll()
+
+    def abort(self) -> None:
+        """The step raised: it is not a step the server should average over."""
+        self._reset()
+
+    def _reset(self) -> None:
+        self._open = False
+        self._fetch = None
+        for mark in (self._begin_mark, *(m for _, a, b in self._phases for m in (a, b))):
+            self.clock.release(mark)
+        self._phases, self._comms = [], []
+
+    def poll(self, force: bool = False) -> None:
+        """Ship finished steps whose GPU marks are done; the oldest go without GPU timings past ``max_pending``.
+
+        ``force`` (at close only) waits for the marks: training is over, a synchronize costs nothing then."""
+        pending, clock = self._pending, self.clock
+        while pending:
+            oldest = pending[0]
+            if force and hasattr(oldest.end, "synchronize"):
+                oldest.end.synchronize()
+            if clock.ready(oldest.end):
+                self._emit(self._record(pending.popleft(), timed=True))
+            elif len(pending) > self.max_pending:
+                self.late += 1
+                self._emit(self._record(pending.popleft(), timed=False))
+            else:
+                return
+
+    # -- phases, collectives, metrics ------------------------------------------------------------------------------
+    def phase_begin(self) -> Any:
+        return self.clock.mark()
+
+    def phase_end(self, name: str, start: Any) -> None:
+        self._phases.append((name, start, self.clock.mark()))
+
+    def comm_begin(self) -> tuple[list[tuple[Any, Any]], Any]:
+        """Returns a token for :meth:`comm_end`; it pins the step's list so a late completion cannot leak into the
+        next step."""
+        return self._comms, self.clock.mark()
+
+    def comm_end(self, token: tuple[list[tuple[Any, Any]], Any]) -> None:
+        comms, start = token
+        comms.append((start, self.clock.mark()))
+
+    def log(self, values: dict[str, Any]) -> None:
+        """Metrics for the current step, or for the next one when no step is open."""
+        self._metrics.update(values)
+
+    def set_memory_probe(self, probe: Callable[[], tuple[int | None, int | None]] | None) -> None:
+        self._mem = probe
+
+    # -- turning marks into a wire record --------------------------------------------------------------------------
+    def _record(self, done: _Finished, timed: bool) -> dict[str, Any]:
+        rec: dict[str, Any] = {
+            "run": self.run, "rank": self.rank, "step": done.step, "ts": done.ts,
+            "step_time_s": max(0.0, done.step_time),
+        }
+        if done.data_wait is not None:
+            rec["data_wait_s"] = max(0.0, done.data_wait)
+        if timed:
+            self._timings(done, rec)
+        self._release(done)
+        for key, value in (("tokens", done.tokens), ("samples", done.samples)):
+            if value is not None:
+                rec[key] = int(value)
+        if done.metrics:
+            metrics = _finite(done.metrics)
+            if metrics:
+                rec["metrics"] = metrics
+            if len(metrics) < len(done.metrics) and self.on_nonfinite is not None:
+                for key in done.metrics.keys() - metrics.keys():
+                    self.on_nonfinite(done.step, key)
+        allocated, reserved = done.mem
+        if allocated is not None:
+            rec["mem_allocated_bytes"] = allocated
+            rec["mem_reserved_bytes"] = reserved
+        return rec
+
+    def _timings(self, done: _Finished, rec: dict[str, Any]) -> None:
+        seconds, begin = self.clock.seconds, done.begin
+        body = seconds(begin, done.end)
+        comm = 0.0
+        if done.comms:
+            spans = [(seconds(begin, a), seconds(begin, b)) for a, b in done.comms]
+            comm = union_length(spans)
+            rec["comm_s"] = comm
+            rec["comm_arrive_s"] = max(0.0, done.lead + min(s for s, _ in spans))
+        rec["compute_s"] = max(0.0, body - comm)
+        if done.phases:
+            phases: dict[str, float] = {}
+            for name, a, b in done.phases:
+                phases[name] = phases.get(name, 0.0) + max(0.0, seconds(a, b))
+            rec["phases"] = phases
+
+    def _release(self, done: _Finished) -> None:
+        release = self.clock.release
+        if not self.clock.deferred:
+            return
+        release(done.begin)
+        release(done.end)
+        for _, a, b in done.phases:
+            release(a)
+            release(b)
+        for a, b in done.comms:
+            release(a)
+            release(b)
+
+
+def _finite(metrics: dict[str, Any]) -> dict[str, float]:
+    """Numbers only, finite only: the wire refuses NaN, and the caller reports a non-finite loss separately."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+        if math.isfinite(number):
+            out[key[:128]] = number
+    return out
