@@ -144,7 +144,7 @@ class IbSource:
 
     name = "ib"
 
-    def __init__(self, root: str = "/sys/class/infiniband", counters: list[str] | tuple[str, ...] = DEFAULT_COUNTERS,
+    def __init__(self, *, root: str = "/sys/class/infiniband", counters: list[str] | tuple[str, ...] = DEFAULT_COUNTERS,
                  hw_counters: bool = True, devices: list[str] | None = None, data_word_bytes: int = 4,
                  rescan_s: float = 60.0) -> None:
         self.root = root
