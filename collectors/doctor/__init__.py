@@ -82,10 +82,10 @@ def _heads(sources: list[Source]) -> tuple[list[list[str]], list[Iterator[str]]]
     """The first HEAD_BYTES of each source (for detection), and each source's remaining lines."""
     heads, rests = [], []
     for source in sources:
-        it = (clean_line(line) for line in iter_source_lines(source))
+        it = iter_source_lines(source)
         head, size = [], 0
         for line in it:
-            head.append(line)
+            head.append(line if line.isprintable() else clean_line(line))
             size += len(line) + 1
             if size >= HEAD_BYTES:
                 break
@@ -126,6 +126,7 @@ def _unwrap(lines: Iterable[str], width: int) -> Iterator[str]:
 def _single(kind: str, analyzer: _Analyzer, lines: Iterable[str]) -> Report:
     total = unparsed = 0
     for line in lines:
+        line = clean_line(line)
         if not line.strip():
             continue
         total += 1
@@ -141,6 +142,8 @@ def _job(kind: str | None, detected: str, lines: Iterable[str]) -> Report:
     total = unparsed = 0
     nccl_feed, torch_feed, xid_feed = nccl.feed, torch.feed, xid.feed
     for line in lines:
+        if not line.isprintable():
+            line = clean_line(line)
         if not line or line.isspace():
             continue
         total += 1

@@ -77,20 +77,33 @@ def _head(pre: str) -> tuple[str, int, int] | None:
     return out
 
 
-def parse_record(line: str) -> NcclRecord | None:
-    """The NCCL record in an already-cleaned line, or ``None`` when the line is not NCCL's."""
+def split_record(line: str) -> tuple[str | None, int | None, str, int, int] | None:
+    """(host, dev, level, start of message, start of host) for an NCCL line; the allocation-free hot path."""
     for marker in _LEVELS:
         i = line.find(marker)
         if i >= 0:
-            head = _head(line[:i])
+            pre = line[:i]
+            head = _head_cache.get(pre, False)
+            if head is False:
+                head = _head(pre)
             if head is not None:
-                level = "WARN" if "WARN" in marker else "INFO"
-                return NcclRecord(head[0], head[1], level, line[i + len(marker):], line[head[2]:])
+                return head[0], head[1], "WARN" if "WARN" in marker else "INFO", i + len(marker), head[2]
     if "NCCL version " in line:
         m = _VERSION_RE.search(line)
         if m:
-            return NcclRecord(None, None, "VERSION", m["v"], line.strip())
+            return None, None, "VERSION", m.start("v"), 0
     return None
+
+
+def parse_record(line: str) -> NcclRecord | None:
+    """The NCCL record in an already-cleaned line, or ``None`` when the line is not NCCL's."""
+    parts = split_record(line)
+    if parts is None:
+        return None
+    host, dev, level, at, start = parts
+    if level == "VERSION":
+        return NcclRecord(None, None, level, _VERSION_RE.search(line)["v"], line.strip())  # type: ignore[index]
+    return NcclRecord(host, dev, level, line[at:], line[start:])
 
 
 def normalize_transport(via: str) -> str:
@@ -171,29 +184,30 @@ class NcclFacts:
         self.records = 0
 
     def feed(self, line: str) -> bool:
-        rec = parse_record(line)
-        if rec is None:
+        parts = split_record(line)
+        if parts is None:
             return False
         self.records += 1
-        if rec.level == "VERSION":
-            self.version = self.version or rec.msg
+        host, _dev, level, at, start = parts
+        if level == "VERSION":
+            self.version = self.version or _VERSION_RE.search(line)["v"]  # type: ignore[index]
             return True
-        host = rec.host
         if host is not None and host not in self.hosts:
             self.hosts[host] = None
-        msg = rec.msg
-        if rec.level == "WARN":
-            self._warn(rec)
-        elif " via " in msg:
-            self._via(msg)
+        if level == "WARN":
+            self._warn(line[start:], line[at:])
+            return True
+        v = line.rfind(" via ")
+        if v >= at:
+            self._via(line[v + 5:])
         else:
-            self._info(msg)
+            self._info(line[at:])
         return True
 
-    def _via(self, msg: str) -> None:
-        m = _VIA_RE.search(msg)
-        if m:
-            name, gdr = transport_of(m["via"])
+    def _via(self, via: str) -> None:
+        via = via.rstrip()
+        if via:
+            name, gdr = transport_of(via)
             if name not in self.transports:
                 self.transports[name] = None
             if gdr is True:
@@ -244,11 +258,10 @@ class NcclFacts:
         if old != value:
             self.env_drift.setdefault(name, {old}).add(value)
 
-    def _warn(self, rec: NcclRecord) -> None:
-        text = rec.line.rstrip()
+    def _warn(self, text: str, msg: str) -> None:
+        text = text.rstrip()
         if len(self.warnings) < self.MAX_WARNINGS and text not in self.warnings:
             self.warnings[text] = None
-        msg = rec.msg
         if is_fatal_warn(msg):
             self.failed = True
         if "completion" in msg:

@@ -22,6 +22,8 @@ _CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 def clean_line(line: str) -> str:
     """Strip colours, carriage returns and control bytes; keep everything else verbatim."""
+    if line.isprintable():
+        return line
     if "\x1b" in line:
         line = _ANSI_RE.sub("", line)
     if "\r" in line:
