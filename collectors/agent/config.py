@@ -1,0 +1,175 @@
+"""The agent's settings: defaults, an optional ``agent.toml``, then command-line flags, checked once at start.
+
+Every mistake is reported together, by key, with a suggestion for a misspelt name, and the agent refuses to start:
+a typo that silently left a source on its default is worse than an error at install time.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import socket
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+MIN_INTERVAL_S = 0.1
+
+
+class ConfigError(ValueError):
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass
+class AgentConfig:
+    """Top-level keys of agent.toml; ``[sources.<name>]`` tables land in ``sources``."""
+
+    server: str = ""  # base URL of the clusterdx server; batches go to <server>/api/v1/ingest
+    token_file: str = ""  # file holding the cluster's ingest token (kept out of the config and the process list)
+    agent_id: str = ""  # stable per node; default: the host name
+    host: str = ""  # the node's name in the dashboard; default: the host name
+    interval_s: float = 1.0  # one batch per interval, 0.1 s at the least
+    spool_path: str = ""  # SQLite file for unsent batches; default under $STATE_DIRECTORY or /var/lib/clusterdx
+    spool_max_batches: int = 86_400  # a day at 1 Hz; the oldest batch goes first when full (counted, reported)
+    spool_max_mb: float = 512.0
+    backoff_initial_s: float = 1.0  # first retry delay after a failed delivery; doubles up to backoff_max_s
+    backoff_max_s: float = 60.0
+    http_timeout_s: float = 10.0
+    ca_file: str = ""  # a private CA bundle for an https server
+    metrics_port: int = 0  # Prometheus /metrics (dcgm-exporter names); 0 = off. dcgm-exporter's own port is 9400
+    metrics_addr: str = "0.0.0.0"
+    log_level: str = "info"
+    sources: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+# key -> (low, high) for numbers; anything not here is only type-checked.
+_RANGES: dict[str, tuple[float, float]] = {
+    "interval_s": (MIN_INTERVAL_S, 3600),
+    "spool_max_batches": (10, 10_000_000),
+    "spool_max_mb": (1, 1_000_000),
+    "backoff_initial_s": (0.01, 3600),
+    "backoff_max_s": (0.01, 86_400),
+    "http_timeout_s": (0.1, 600),
+    "metrics_port": (0, 65_535),
+}
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+_IDENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]*")
+
+
+def suggest(name: str, known: list[str] | tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(known))}"
+
+
+def _option_names() -> list[str]:
+    return [f.name for f in fields(AgentConfig) if f.name != "sources"]
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read ({exc.strerror})"]) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: not valid TOML: {exc}"]) from exc
+
+
+def build(raw: dict[str, Any], overrides: dict[str, Any], known_sources: tuple[str, ...]) -> AgentConfig:
+    """Merge the file's values and the flags (flags win) into a checked :class:`AgentConfig`."""
+    problems: list[str] = []
+    cfg = AgentConfig()
+    types = {f.name: type(getattr(cfg, f.name)) for f in fields(AgentConfig) if f.name != "sources"}
+    for key, value in {**raw, **{k: v for k, v in overrides.items() if v is not None}}.items():
+        if key == "sources":
+            cfg.sources = _sources(value, known_sources, problems)
+        elif key not in types:
+            problems.append(f"{key}: unknown option{suggest(key, _option_names())}")
+        else:
+            checked = _check(key, value, types[key], problems)
+            if checked is not None:
+                setattr(cfg, key, checked)
+    _finish(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _check(key: str, value: Any, want: type, problems: list[str]) -> Any:
+    if want is float and type(value) is int:
+        value = float(value)
+    if type(value) is not want:
+        problems.append(f"{key}: expected {want.__name__}, got {type(value).__name__} {value!r}")
+        return None
+    if key in _RANGES:
+        low, high = _RANGES[key]
+        if not low <= value <= high:
+            problems.append(f"{key}: must be between {low:g} and {high:g}, got {value!r}")
+            return None
+    return value
+
+
+def _sources(value: Any, known: tuple[str, ...], problems: list[str]) -> dict[str, dict[str, Any]]:
+    if not isinstance(value, dict):
+        problems.append("sources: expected tables such as [sources.gpu]")
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, table in value.items():
+        if name not in known:
+            problems.append(f"sources.{name}: unknown source{suggest(name, known)}")
+        elif not isinstance(table, dict):
+            problems.append(f"sources.{name}: expected a table ([sources.{name}])")
+        elif "enabled" in table and type(table["enabled"]) is not bool:
+            problems.append(f"sources.{name}.enabled: expected true or false, got {table['enabled']!r}")
+        else:
+            out[name] = dict(table)
+    return out
+
+
+def _finish(cfg: AgentConfig, problems: list[str]) -> None:
+    """Cross-field checks and defaults that depend on the machine."""
+    if not cfg.server:
+        problems.append("server: required (--server URL or server = \"https://...\" in agent.toml)")
+    elif not re.match(r"https?://[^/\s]+", cfg.server):
+        problems.append(f"server: expected an http:// or https:// URL, got {cfg.server!r}")
+    if not cfg.token_file:
+        problems.append("token_file: required (--token-file F or token_file = \"/etc/clusterdx/token\")")
+    if cfg.log_level not in _LOG_LEVELS:
+        problems.append(f"log_level: expected one of {', '.join(_LOG_LEVELS)}, got {cfg.log_level!r}")
+    if cfg.backoff_max_s < cfg.backoff_initial_s:
+        problems.append("backoff_max_s: must not be below backoff_initial_s")
+    node = socket.gethostname()
+    cfg.host = cfg.host or _clean(node, r"[^A-Za-z0-9_.-]") or "localhost"
+    cfg.agent_id = cfg.agent_id or _clean(cfg.host, r"[^A-Za-z0-9._:@/+-]")
+    if not _IDENT.fullmatch(cfg.agent_id) or len(cfg.agent_id) > 128:
+        problems.append(f"agent_id: letters, digits and ._:@/+- only (at most 128), got {cfg.agent_id!r}")
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", cfg.host) or len(cfg.host) > 253:
+        problems.append(f"host: not a valid host name: {cfg.host!r}")
+    cfg.spool_path = cfg.spool_path or default_spool_path()
+
+
+def _clean(text: str, bad: str) -> str:
+    return re.sub(bad, "-", text).strip("-.")
+
+
+def default_spool_path() -> str:
+    # systemd's StateDirectory= sets $STATE_DIRECTORY; root elsewhere gets /var/lib; a user gets ~/.local/state.
+    base = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+    if not base:
+        base = "/var/lib/clusterdx" if os.geteuid() == 0 else str(Path.home() / ".local/state/clusterdx")
+    return str(Path(base) / "spool.sqlite3")
+
+
+def read_token(path: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError([f"token_file: cannot read {path} ({exc.strerror})"]) from exc
+    if not token or any(c.isspace() for c in token):
+        raise ConfigError([f"token_file: {path} must hold one token on one line"])
+    return token
+

@@ -1,0 +1,242 @@
+"""Sending spooled batches to the server, oldest first, on a thread of its own.
+
+The sampling loop never waits for the network: it puts each batch into the spool and wakes this thread. Outcomes
+follow the ingest contract in :mod:`clusterdx.wire`: 2xx deletes the batch; 429, 5xx and network errors keep it
+and retry with exponential backoff and jitter (honouring ``Retry-After``); 400, 413 and 415 mean this batch can
+never be accepted, so it is dropped, counted (``server_rejected``) and its reason logged once per reason; 401 and
+403 are a token problem, not a batch problem, so batches stay in the spool (bounded) while the token file is
+re-read before each slow retry.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import random
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from collectors.agent.spool import Spool, Spooled
+
+log = logging.getLogger("clusterdx.agent.delivery")
+
+AUTH_RETRY_S = 30.0
+
+
+@dataclass
+class Stats:
+    sent: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    failures: int = 0
+    last_error: str = ""
+    last_success: float = 0.0
+    by_status: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str  # "ok", "retry", "reject", "auth"
+    detail: str = ""
+    status: int = 0
+    retry_after: float | None = None
+
+
+class Poster:
+    """One persistent HTTP(S) connection to the server's ingest endpoint (a TLS handshake per batch is costly)."""
+
+    def __init__(self, server: str, token: Callable[[], str], *, timeout: float, ca_file: str = "") -> None:
+        url = urlsplit(server.rstrip("/") + "/api/v1/ingest")
+        self.path = url.path
+        self.host = url.hostname or "localhost"
+        self.port = url.port
+        self.https = url.scheme == "https"
+        self.timeout = timeout
+        self._read_token = token
+        self._token: str | None = None
+        self._ssl = ssl.create_default_context(cafile=ca_file or None) if self.https else None
+        self._conn: http.client.HTTPConnection | None = None
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            if self.https:
+                self._conn = http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout,
+                                                         context=self._ssl)
+            else:
+                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        return self._conn
+
+    def post(self, body: bytes) -> Outcome:
+        # A kept-alive connection the server has since closed fails on first use; one fresh retry tells that
+        # apart from a server that is really down. The server is idempotent on (agent_id, seq).
+        for attempt in (0, 1):
+            try:
+                return self._post_once(body)
+            except (OSError, http.client.HTTPException) as exc:
+                self.close()
+                if attempt or not isinstance(exc, (http.client.RemoteDisconnected, BrokenPipeError,
+                                                   ConnectionResetError)):
+                    return Outcome("retry", f"{type(exc).__name__}: {exc}")
+        return Outcome("retry", "unreachable")
+
+    def _post_once(self, body: bytes) -> Outcome:
+        if self._token is None:
+            try:
+                self._token = self._read_token()
+            except ValueError as exc:  # ConfigError: the file went missing or empty
+                return Outcome("auth", str(exc), 0)
+        conn = self._connection()
+        conn.request("POST", self.path, body=body, headers={
+            "Authorization": f"Bearer {self._token}",
+            "Content-Type": "application/json",
+            "Content-Encoding": "gzip",
+        })
+        resp = conn.getresponse()
+        payload = resp.read(64 * 1024)
+        if resp.will_close:
+            self.close()
+        outcome = classify(resp.status, payload, resp.getheader("Retry-After"))
+        if outcome.kind == "auth":
+            self._token = None  # the admin may have replaced the file: read it again before the next try
+        return outcome
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def classify(status: int, payload: bytes, retry_after: str | None) -> Outcome:
+    detail = _detail(payload)
+    if 200 <= status < 300:
+        return Outcome("ok", detail, status)
+    if status in (401, 403):
+        return Outcome("auth", detail, status)
+    if status in (408, 429) or status >= 500:
+        return Outcome("retry", detail, status, _seconds(retry_after))
+    return Outcome("reject", detail, status)
+
+
+def _detail(payload: bytes) -> str:
+    try:
+        data = json.loads(payload)
+    except ValueError:
+        return payload[:300].decode(errors="replace").strip()
+    if isinstance(data, dict):
+        if "error" in data:
+            return f"{data.get('error')}: {data.get('detail', '')}".strip(": ")[:500]
+        return str(data.get("status", ""))
+    return ""
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        return max(0.0, float(value)) if value else None
+    except ValueError:
+        return None  # an HTTP date; the backoff is good enough
+
+
+class Backoff:
+    """Exponential, capped, with "equal jitter" so that a fleet of agents does not retry in lockstep."""
+
+    def __init__(self, initial: float, maximum: float, rng: random.Random | None = None) -> None:
+        self.initial, self.maximum = initial, maximum
+        self.failures = 0
+        self._rng = rng or random.Random()
+
+    def next(self) -> float:
+        step = min(self.maximum, self.initial * 2 ** min(self.failures, 30))
+        self.failures += 1
+        return step / 2 + self._rng.uniform(0, step / 2)
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+class Sender:
+    def __init__(self, spool: Spool, poster: Poster, backoff: Backoff) -> None:
+        self.spool = spool
+        self.poster = poster
+        self.backoff = backoff
+        self.stats = Stats()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._logged: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name="clusterdx-sender", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self, grace_s: float) -> None:
+        """Let the thread finish what is spooled for up to ``grace_s``, then stop it."""
+        deadline = time.monotonic() + grace_s
+        while self.spool.depth and time.monotonic() < deadline and not self.backoff.failures:
+            time.sleep(0.02)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=max(1.0, self.poster.timeout + 1))
+        self.poster.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            item = self.spool.oldest()
+            if item is None:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            delay = self.deliver(item)
+            if delay:
+                self._stop.wait(delay)
+
+    def deliver(self, item: Spooled) -> float:
+        """Send one batch and act on the answer; returns how long to wait before the next attempt."""
+        outcome = self.poster.post(item.body)
+        self.stats.by_status[outcome.status] = self.stats.by_status.get(outcome.status, 0) + 1
+        if outcome.kind == "ok":
+            self.spool.delete(item.seq)
+            self.stats.sent += 1
+            self.stats.duplicates += outcome.detail == "duplicate"
+            self.stats.last_success = time.time()
+            if self.backoff.failures:
+                log.info("server reachable again; replaying %d spooled batch(es)", self.spool.depth)
+            self.backoff.reset()
+            self._logged.discard("retry")
+            return 0.0
+        if outcome.kind == "reject":
+            self.spool.delete(item.seq)
+            self.spool.note_drop("server_rejected")
+            self.stats.rejected += 1
+            self._log_once(f"reject:{outcome.status}:{outcome.detail}", logging.ERROR,
+                           "server rejected batch %d with %d (%s); dropped, not retried",
+                           item.seq, outcome.status, outcome.detail or "no reason given")
+            return 0.0
+        return self._failed(item, outcome)
+
+    def _failed(self, item: Spooled, outcome: Outcome) -> float:
+        self.stats.failures += 1
+        self.stats.last_error = f"{outcome.status or ''} {outcome.detail}".strip()
+        if outcome.kind == "auth":
+            self._log_once(f"auth:{outcome.status}", logging.ERROR,
+                           "token refused (%s: %s); batches stay spooled, the token file is re-read every %gs",
+                           outcome.status, outcome.detail, AUTH_RETRY_S)
+            self.backoff.failures += 1
+            return AUTH_RETRY_S
+        delay = self.backoff.next()
+        if outcome.retry_after is not None:
+            delay = min(max(delay, outcome.retry_after), self.backoff.maximum)
+        self._log_once("retry", logging.WARNING, "cannot deliver batch %d (%s); spooling, retrying with backoff",
+                       item.seq, self.stats.last_error)
+        return delay
+
+    def _log_once(self, key: str, level: int, msg: str, *args: object) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.log(level, msg, *args)
