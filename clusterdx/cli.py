@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="clusterdx", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="clusterdx", description="Live diagnostics for GPU clusters that train large models.")
     parser.add_argument("--version", action="version", version=f"clusterdx {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():

@@ -280,6 +280,9 @@ class Batch(Record):
     seq: Count
     host: Hostname
     sent_at: Unix
+    # The cluster this producer believes it reports to; a token of another cluster is refused (403) instead of
+    # silently mixing two clusters' data.
+    cluster: Ident | None = None
     gpus: Annotated[list[GpuSample], Len(4096)] = []  # noqa: RUF012 - defaults are copied by the validator
     hosts: Annotated[list[HostSample], Len(256)] = []  # noqa: RUF012
     ports: Annotated[list[PortSample], Len(1024)] = []  # noqa: RUF012

@@ -1,0 +1,34 @@
+"""ASGI entry point: HTTP through Django, websockets through Channels (authenticated like the pages), and the
+lifespan protocol, which starts the embedded scheduler when there is no Celery beat (no REDIS_URL)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
+
+from django.core.asgi import get_asgi_application  # noqa: E402
+
+django_asgi = get_asgi_application()
+
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+
+from dashboard.live.routing import websocket_urlpatterns  # noqa: E402
+from dashboard.scheduler import lifespan  # noqa: E402
+
+router = ProtocolTypeRouter(
+    {
+        "http": django_asgi,
+        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+    }
+)
+
+
+async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":
+        await lifespan(scope, receive, send)
+    else:
+        await router(scope, receive, send)

@@ -1,0 +1,26 @@
+"""The Celery app. Production: Redis broker, a worker and beat. Embedded: tasks run eagerly, and
+:mod:`dashboard.scheduler` plays beat inside the server process with the same schedule."""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
+
+app = Celery("clusterdx")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks()
+
+# name -> (task path, seconds). Beat reads it in production; the embedded scheduler reads the same table.
+SCHEDULE: dict[str, tuple[str, float]] = {
+    "retention": ("dashboard.telemetry.tasks.purge_old_samples", 600.0),
+}
+
+
+def beat_schedule() -> dict[str, dict[str, object]]:
+    return {name: {"task": task, "schedule": every} for name, (task, every) in SCHEDULE.items()}
+
+
+app.conf.beat_schedule = beat_schedule()

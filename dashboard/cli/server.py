@@ -1,0 +1,38 @@
+"""``clusterdx server``: the ASGI server (uvicorn). Embedded default: one worker, scheduler in-process."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=os.environ.get("CLUSTERDX_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(os.environ.get("CLUSTERDX_PORT", "8000")))
+    p.add_argument("--workers", type=int, default=int(os.environ.get("WEB_CONCURRENCY", "1")),
+                   help="ASGI worker processes (production only: the embedded default needs exactly 1)")
+    p.add_argument("--no-migrate", action="store_true", help="do not apply migrations at start")
+
+
+def main(args: argparse.Namespace) -> int:
+    from dashboard.cli import migrate, setup_django
+
+    setup_django()
+    from django.conf import settings
+
+    if not args.no_migrate:
+        migrate()
+    workers = args.workers
+    if workers > 1 and not (settings.REDIS_URL and settings.DATABASE_URL):
+        print("note: the embedded default keeps live state in-process; running 1 worker (set DATABASE_URL and "
+              "REDIS_URL to scale out)")
+        workers = 1
+    serve(args.host, args.port, workers)
+    return 0
+
+
+def serve(host: str, port: int, workers: int = 1) -> None:
+    import uvicorn
+
+    uvicorn.run("dashboard.asgi:application", host=host, port=port, workers=workers, lifespan="on",
+                log_level=os.environ.get("UVICORN_LOG_LEVEL", "warning"), proxy_headers=True, ws="websockets-sansio")

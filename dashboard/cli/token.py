@@ -1,0 +1,54 @@
+"""``clusterdx token create|list|revoke``: per-cluster ingest tokens (only their hash is stored)."""
+
+from __future__ import annotations
+
+import argparse
+
+from dashboard.cli import setup_django
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    create = sub.add_parser("create", help="create a token for CLUSTER (the cluster is created if new)")
+    create.add_argument("cluster")
+    create.add_argument("--name", default="", help="a label, e.g. 'agents' or 'hooks'")
+    lst = sub.add_parser("list", help="list tokens (prefixes only)")
+    lst.add_argument("cluster", nargs="?")
+    revoke = sub.add_parser("revoke", help="revoke the token with PREFIX (as shown by list)")
+    revoke.add_argument("prefix")
+
+
+def main(args: argparse.Namespace) -> int:
+    setup_django()
+    from dashboard.telemetry import tokens
+    from dashboard.telemetry.models import Cluster, IngestToken
+
+    if args.action == "create":
+        from django.core.validators import validate_slug
+        from django.core.exceptions import ValidationError
+
+        try:
+            validate_slug(args.cluster)
+        except ValidationError:
+            print(f"error: cluster name {args.cluster!r} must be letters, digits, '-' or '_'")
+            return 2
+        cluster, created = Cluster.objects.get_or_create(name=args.cluster)
+        row, secret = tokens.create_token(cluster, args.name)
+        print(f"{'created cluster ' + cluster.name + '; ' if created else ''}token {row.prefix} for {cluster.name}."
+              " It is shown once; store it now (e.g. in the agent's --token-file):")
+        print(secret)
+        return 0
+    if args.action == "list":
+        qs = IngestToken.objects.select_related("cluster").order_by("cluster__name", "created_at")
+        if args.cluster:
+            qs = qs.filter(cluster__name=args.cluster)
+        for t in qs:
+            state = f"revoked {t.revoked_at:%Y-%m-%d %H:%M}" if t.revoked_at else "active"
+            used = f"last used {t.last_used_at:%Y-%m-%d %H:%M}" if t.last_used_at else "never used"
+            print(f"{t.prefix}  {t.cluster.name:<20} {t.name or '-':<12} {state:<22} {used}")
+        return 0
+    if tokens.revoke(args.prefix):
+        print(f"revoked {args.prefix}")
+        return 0
+    print(f"error: no active token with prefix {args.prefix!r}")
+    return 1

@@ -1,0 +1,27 @@
+"""Every way an ingest request can be refused: one row per error code, documented in the OpenAPI document."""
+
+from __future__ import annotations
+
+from django.http import JsonResponse
+
+# code -> (HTTP status, what it means). A 4xx never succeeds on retry; agents drop the batch and log the detail.
+ERRORS: dict[str, tuple[int, str]] = {
+    "malformed_json": (400, "the body is not valid JSON (or not UTF-8)"),
+    "invalid_batch": (400, "the JSON does not match the wire format; detail names the field"),
+    "bad_encoding": (400, "Content-Encoding says gzip but the body is not valid gzip"),
+    "missing_token": (401, "no 'Authorization: Bearer <token>' header"),
+    "unknown_token": (401, "the token is unknown or revoked"),
+    "wrong_cluster": (403, "the token belongs to another cluster than the batch names"),
+    "method_not_allowed": (405, "only POST is accepted"),
+    "too_large": (413, "the body, compressed or decompressed, is over the limit"),
+    "unsupported_media_type": (415, "Content-Type must be application/json; Content-Encoding gzip or identity"),
+    "unavailable": (503, "the database is unavailable; retry later (the batch was not stored)"),
+}
+
+
+def error(code: str, detail: str) -> JsonResponse:
+    status = ERRORS[code][0]
+    response = JsonResponse({"error": code, "detail": detail}, status=status)
+    if status == 503:
+        response["Retry-After"] = "5"
+    return response

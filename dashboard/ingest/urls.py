@@ -1,0 +1,5 @@
+from django.urls import path
+
+from dashboard.ingest.views import ingest
+
+urlpatterns = [path("api/v1/ingest", ingest, name="ingest")]

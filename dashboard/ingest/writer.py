@@ -1,0 +1,213 @@
+"""Stores one validated batch: the idempotency row, the inventory it implies, and the time series (bulk inserts).
+
+Everything happens in one transaction, so a batch is either stored whole or not at all; the live update is sent only
+after the commit (``transaction.on_commit``), so a browser never sees data the database does not have.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+
+from clusterdx import wire
+from dashboard.live.publish import publish_batch
+from dashboard.telemetry import models as m
+
+# Wire field -> column copies. Wire fields handled elsewhere (inventory, ids, timestamps) are listed as exceptions;
+# tests/server/test_wire_columns.py fails when a wire field has neither a column nor an exception, so a field added
+# to the wire format can never be silently dropped here.
+WIRE_NOT_COLUMNS: dict[type[wire.Record], set[str]] = {
+    wire.GpuSample: {"ts", "index", "uuid", "name", "pci_bus_id"},
+    wire.HostSample: {"ts"},
+    wire.PortSample: {"ts"},
+    wire.Step: {"ts", "run"},
+    wire.Event: {"ts", "run"},
+    wire.Probe: {"ts"},
+}
+
+
+def _columns(record: type[wire.Record]) -> list[str]:
+    return [f for f in wire.field_names(record) if f not in WIRE_NOT_COLUMNS[record]]
+
+
+GPU_FIELDS = _columns(wire.GpuSample)
+HOST_FIELDS = _columns(wire.HostSample)
+PORT_FIELDS = _columns(wire.PortSample)
+STEP_FIELDS = _columns(wire.Step)
+EVENT_FIELDS = _columns(wire.Event)
+PROBE_FIELDS = _columns(wire.Probe)
+LAST_SEEN_EVERY_S = 5.0
+
+
+@dataclass(frozen=True)
+class Stored:
+    status: str  # "accepted" | "duplicate"
+    records: int
+
+
+def _dt(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, tz=UTC)
+
+
+class _Inventory:
+    """Per-process cache of ids for nodes, GPUs and runs: the hot path does no lookups for things it has seen."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.clear()
+
+    def clear(self) -> None:
+        self.nodes: dict[tuple[int, str], int] = {}
+        self.gpus: set[tuple[int, int, str | None]] = set()
+        self.runs: dict[tuple[int, str], int] = {}
+        self.node_seen: dict[int, float] = {}
+        self.run_meta: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def node_id(self, cluster: m.Cluster, host: str, agent_id: str) -> int:
+        key = (cluster.id, host)
+        node_id = self.nodes.get(key)
+        if node_id is None:
+            node, _ = m.Node.objects.get_or_create(cluster=cluster, hostname=host, defaults={"agent_id": agent_id})
+            node_id = self.nodes[key] = node.id
+        return node_id
+
+    def touch_node(self, node_id: int, when: datetime) -> None:
+        now = time.monotonic()
+        if now - self.node_seen.get(node_id, 0.0) >= LAST_SEEN_EVERY_S:
+            m.Node.objects.filter(id=node_id).update(last_seen=when)
+            self.node_seen[node_id] = now
+
+    def note_gpu(self, node_id: int, sample: dict[str, Any]) -> None:
+        key = (node_id, sample["index"], sample["uuid"])
+        if key in self.gpus:
+            return
+        m.Gpu.objects.update_or_create(
+            node_id=node_id, index=sample["index"],
+            defaults={"uuid": sample["uuid"] or "", "name": sample["name"] or "", "pci_bus_id": sample["pci_bus_id"] or ""},
+        )
+        self.gpus.add(key)
+
+    def run_id(self, cluster: m.Cluster, name: str) -> int:
+        key = (cluster.id, name)
+        run_id = self.runs.get(key)
+        if run_id is None:
+            run, _ = m.Run.objects.get_or_create(cluster=cluster, name=name)
+            run_id = self.runs[key] = run.id
+        return run_id
+
+
+inventory = _Inventory()
+
+
+def clear_caches() -> None:
+    """Forget cached ids (tests roll the database back under the cache's feet)."""
+    inventory.clear()
+
+
+def store_batch(cluster: m.Cluster, batch: dict[str, Any]) -> Stored:
+    try:
+        return _store(cluster, batch)
+    except IntegrityError:
+        # A cached id may point at a row deleted meanwhile (a node or run removed): forget and try once more.
+        clear_caches()
+        return _store(cluster, batch)
+
+
+def _store(cluster: m.Cluster, batch: dict[str, Any]) -> Stored:
+    received = datetime.now(tz=UTC)
+    with transaction.atomic():
+        try:
+            with transaction.atomic():
+                marker = m.AgentBatch.objects.create(
+                    cluster=cluster, agent_id=batch["agent_id"], seq=batch["seq"], host=batch["host"],
+                    received_at=received, dropped=batch["dropped"],
+                )
+        except IntegrityError:
+            if m.AgentBatch.objects.filter(cluster=cluster, agent_id=batch["agent_id"], seq=batch["seq"]).exists():
+                return Stored("duplicate", 0)
+            raise
+        node_id = inventory.node_id(cluster, batch["host"], batch["agent_id"])
+        inventory.touch_node(node_id, received)
+        runs = _run_ids(cluster, batch)
+        _store_run_meta(cluster, node_id, batch["runs"], runs)
+        records = _store_series(cluster, node_id, batch, runs)
+        _advance_runs(batch["steps"], runs)
+        marker.records = records
+        marker.save(update_fields=["records"])
+        transaction.on_commit(lambda: publish_batch(cluster.id, batch["host"], batch, runs))
+    return Stored("accepted", records)
+
+
+def _run_ids(cluster: m.Cluster, batch: dict[str, Any]) -> dict[str, int]:
+    names = {s["run"] for s in batch["steps"]} | {r["run"] for r in batch["runs"]}
+    names |= {e["run"] for e in batch["events"] if e["run"]}
+    return {name: inventory.run_id(cluster, name) for name in names}
+
+
+def _store_run_meta(cluster: m.Cluster, node_id: int, metas: list[dict[str, Any]], runs: dict[str, int]) -> None:
+    for meta in metas:
+        run_id = runs[meta["run"]]
+        key = (run_id, meta["rank"])
+        stable = {k: v for k, v in meta.items() if k != "ts"}
+        if inventory.run_meta.get(key) == stable:
+            continue  # hooks resend metadata on change and now and then; unchanged costs nothing
+        rank_node = node_id
+        if meta["host"] and meta["host"] != "":
+            rank_node = inventory.node_id(cluster, meta["host"], "")
+        m.Rank.objects.update_or_create(
+            run_id=run_id, rank=meta["rank"],
+            defaults={"node_id": rank_node, "local_rank": meta["local_rank"], "gpu_index": meta["gpu_index"],
+                      "meta": stable},
+        )
+        run_wide = {k: meta[k] for k in ("versions", "parallel", "flops_per_token", "peak_flops", "dtype", "params",
+                                         "gpu_name", "last_checkpoint_step", "last_checkpoint_ts") if meta[k] is not None}
+        run = m.Run.objects.select_for_update().get(id=run_id)
+        run.world_size = meta["world_size"]
+        run.meta = {**run.meta, **run_wide}
+        run.save(update_fields=["world_size", "meta"])
+        inventory.run_meta[key] = stable
+
+
+def _store_series(cluster: m.Cluster, node_id: int, batch: dict[str, Any], runs: dict[str, int]) -> int:
+    base = {"cluster_id": cluster.id, "node_id": node_id}
+    gpus = []
+    for g in batch["gpus"]:
+        inventory.note_gpu(node_id, g)
+        gpus.append(m.GpuSample(**base, gpu_index=g["index"], ts=_dt(g["ts"]), **{f: g[f] for f in GPU_FIELDS}))
+    hosts = [m.HostSample(**base, ts=_dt(h["ts"]), **{f: h[f] for f in HOST_FIELDS}) for h in batch["hosts"]]
+    ports = [m.PortSample(**base, ts=_dt(p["ts"]), **{f: p[f] for f in PORT_FIELDS}) for p in batch["ports"]]
+    steps = [
+        m.StepSample(**base, run_id=runs[s["run"]], ts=_dt(s["ts"]), **{f: s[f] for f in STEP_FIELDS})
+        for s in batch["steps"]
+    ]
+    events = [
+        m.Event(**base, run_id=runs.get(e["run"]) if e["run"] else None, ts=_dt(e["ts"]),
+                **{f: e[f] for f in EVENT_FIELDS})
+        for e in batch["events"]
+    ]
+    probes = [m.Probe(**base, ts=_dt(p["ts"]), **{f: p[f] for f in PROBE_FIELDS}) for p in batch["probes"]]
+    for model, rows in ((m.GpuSample, gpus), (m.HostSample, hosts), (m.PortSample, ports), (m.StepSample, steps),
+                        (m.Event, events), (m.Probe, probes)):
+        if rows:
+            model.objects.bulk_create(rows, batch_size=2000)
+    return len(gpus) + len(hosts) + len(ports) + len(steps) + len(events) + len(probes) + len(batch["runs"])
+
+
+def _advance_runs(steps: list[dict[str, Any]], runs: dict[str, int]) -> None:
+    last: dict[int, tuple[int, float]] = {}
+    for s in steps:
+        run_id = runs[s["run"]]
+        if run_id not in last or s["step"] > last[run_id][0]:
+            last[run_id] = (s["step"], s["ts"])
+    for run_id, (step, ts) in last.items():
+        # Batches from different nodes arrive in any order: only move forward in time (a restart from a checkpoint
+        # legitimately moves the step number back, so time, not the step number, decides).
+        when = _dt(ts)
+        m.Run.objects.filter(Q(last_step_at__isnull=True) | Q(last_step_at__lt=when), id=run_id).update(
+            last_step=step, last_step_at=when)

@@ -1,0 +1,107 @@
+"""The live websocket: ``/ws/live/?run=<id>`` or ``?cluster=<id>``.
+
+connect = check the user may see it, join the groups, send a snapshot. Group events are merged into one pending
+delta and each client gets at most one frame per ``LIVE_FRAME_INTERVAL_MS``, however fast ingest goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+from urllib.parse import parse_qs
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
+
+from dashboard.live import snapshot
+from dashboard.live.broadcast import cluster_group, run_group
+from dashboard.live.events import GPU_ROW, STEP_ROW
+from dashboard.telemetry.models import Cluster, Run
+
+MAX_PENDING_STEPS = 20_000
+
+
+@database_sync_to_async
+def _resolve(user: Any, query: dict[str, list[str]]) -> tuple[Cluster, Run | None] | None:
+    try:
+        if "run" in query:
+            run = Run.objects.select_related("cluster").get(id=int(query["run"][0]))
+            cluster: Cluster = run.cluster
+        else:
+            run, cluster = None, Cluster.objects.get(id=int(query["cluster"][0]))
+    except (KeyError, ValueError, Run.DoesNotExist, Cluster.DoesNotExist):
+        return None
+    return (cluster, run) if cluster.visible_to(user) else None
+
+
+@database_sync_to_async
+def _snapshot(cluster: Cluster, run: Run | None) -> dict[str, Any]:
+    frame: dict[str, Any] = {"type": "snapshot", "seq": 0, "columns": {"steps": STEP_ROW, "gpus": GPU_ROW}}
+    if run is not None:
+        run.refresh_from_db()
+        frame["run"] = snapshot.run_info(run)
+        frame["steps"] = snapshot.recent_steps(run)
+    frame["gpus"] = snapshot.latest_gpus(cluster.id)
+    frame["findings"] = snapshot.open_findings(cluster.id, run.id if run else None)
+    return frame
+
+
+class LiveConsumer(AsyncJsonWebsocketConsumer):
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            await self.close(code=4401)
+            return
+        query = parse_qs(self.scope.get("query_string", b"").decode())
+        found = await _resolve(user, query)
+        if found is None:
+            await self.close(code=4404)
+            return
+        cluster, run = found
+        self.groups_joined = [cluster_group(cluster.id)] + ([run_group(run.id)] if run else [])
+        for group in self.groups_joined:
+            await self.channel_layer.group_add(group, self.channel_name)
+        self.pending: dict[str, Any] = {}
+        self.seq = 0
+        await self.accept()
+        await self.send_json(await _snapshot(cluster, run))
+        self.flusher = asyncio.create_task(self._flush_forever())
+
+    async def disconnect(self, code: int) -> None:
+        flusher = getattr(self, "flusher", None)
+        if flusher is not None:
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+        for group in getattr(self, "groups_joined", []):
+            await self.channel_layer.group_discard(group, self.channel_name)
+
+    async def live_event(self, message: dict[str, Any]) -> None:
+        event = message["event"]
+        kind = event["type"]
+        if kind == "gpus":
+            gpus = self.pending.setdefault("gpus", {})
+            for row in event["gpus"]:
+                gpus[(row[0], row[1])] = row  # latest per GPU wins: a delta, not a log
+        elif kind == "steps":
+            steps = self.pending.setdefault("steps", [])
+            steps.extend(event["steps"])
+            if len(steps) > MAX_PENDING_STEPS:  # a stalled client catches up with the recent past only
+                del steps[: len(steps) - MAX_PENDING_STEPS]
+        else:
+            self.pending.setdefault(kind, []).extend(event[kind])
+
+    async def _flush_forever(self) -> None:
+        interval = settings.CLUSTERDX["LIVE_FRAME_INTERVAL_MS"] / 1000
+        while True:
+            await asyncio.sleep(interval)
+            if not self.pending:
+                continue
+            pending, self.pending = self.pending, {}
+            self.seq += 1
+            frame: dict[str, Any] = {"type": "delta", "seq": self.seq}
+            for key, value in pending.items():
+                frame[key] = list(value.values()) if isinstance(value, dict) else value
+            await self.send_json(frame)

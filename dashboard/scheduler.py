@@ -1,0 +1,57 @@
+"""The embedded stand-in for Celery beat: runs the same periodic tasks, with the same schedule, inside the server's
+event loop (so the tasks' broadcasts reach the in-process channel layer). In production (REDIS_URL set) it does
+nothing: beat and the workers do this work."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import time
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+log = logging.getLogger(__name__)
+
+
+def _resolve(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+async def run_schedule(schedule: dict[str, tuple[str, float]]) -> None:
+    due = {name: time.monotonic() + min(every, 2.0) for name, (_, every) in schedule.items()}
+    while True:
+        name = min(due, key=due.__getitem__)
+        await asyncio.sleep(max(0.0, due[name] - time.monotonic()))
+        path, every = schedule[name]
+        try:
+            # thread_sensitive: one thread for all DB work, like the ingest views, so SQLite sees one writer.
+            await sync_to_async(_resolve(path), thread_sensitive=True)()
+        except Exception:  # a task that raises is logged and rescheduled, never kills the loop
+            log.exception("embedded scheduler: %s failed", name)
+        due[name] += every
+        if due[name] < time.monotonic():  # fell behind (a slow pass): skip, do not pile up
+            due[name] = time.monotonic() + every
+
+
+async def lifespan(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    task: asyncio.Task[None] | None = None
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            if not settings.REDIS_URL:
+                from dashboard.celery import SCHEDULE
+
+                task = asyncio.create_task(run_schedule(SCHEDULE))
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await send({"type": "lifespan.shutdown.complete"})
+            return

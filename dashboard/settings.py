@@ -1,0 +1,170 @@
+"""Django settings, read from the environment through the strict helpers in :mod:`dashboard.envconf`.
+
+Embedded default (nothing set): SQLite in WAL mode under ``CLUSTERDX_DATA_DIR``, an in-process channel layer and live
+state, Celery tasks run in-process by the embedded scheduler. ``DATABASE_URL`` switches to PostgreSQL, ``REDIS_URL`` to
+Redis for the channel layer, the Celery broker and the live state.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import plotly
+
+from dashboard.envconf import database_from_url, env_bool, env_float, env_int, env_list, env_str
+
+BASE_DIR = Path(__file__).resolve().parent
+DATA_DIR = Path(env_str("CLUSTERDX_DATA_DIR", str(Path.cwd() / "var"))).resolve()
+
+
+def _secret_key() -> str:
+    key = env_str("SECRET_KEY")
+    if key:
+        return key
+    # Embedded default: one random key per data directory, kept so sessions survive a restart.
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    path = DATA_DIR / "secret_key"
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(50))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
+DEBUG = env_bool("DEBUG", False)
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver")
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
+SITE_URL = env_str("SITE_URL", "http://localhost:8000").rstrip("/")
+
+INSTALLED_APPS = [
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "dashboard.telemetry",
+    "dashboard.ingest",
+    "dashboard.live",
+    "dashboard.web",
+    "dashboard.api",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "dashboard.urls"
+ASGI_APPLICATION = "dashboard.asgi.application"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+DATABASE_URL = env_str("DATABASE_URL")
+if DATABASE_URL:
+    DATABASES = {"default": database_from_url(DATABASE_URL)}
+else:
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": env_str("CLUSTERDX_SQLITE_PATH", str(DATA_DIR / "clusterdx.sqlite3")),
+            "OPTIONS": {
+                # WAL lets the pages read while ingest writes; IMMEDIATE takes the write lock up front so two
+                # writers queue on busy_timeout instead of failing with "database is locked" mid-transaction.
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 30,
+            },
+            "TEST": {"NAME": str(DATA_DIR / "test-clusterdx.sqlite3")},
+        }
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = env_str("REDIS_URL")
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL], "prefix": env_str("CLUSTERDX_REDIS_PREFIX", "clusterdx"),
+                       "capacity": 2000, "expiry": 30},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer", "CONFIG": {"capacity": 2000}}}
+
+# Celery: Redis broker in production; embedded, tasks run in-process (the embedded scheduler calls the same tasks).
+CELERY_BROKER_URL = REDIS_URL or "memory://"
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_ALWAYS_EAGER = not REDIS_URL
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_DEFAULT_QUEUE = "clusterdx"
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CLUSTERDX_VISIBILITY_TIMEOUT_S", 120, min=10)}
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "home"
+LOGOUT_REDIRECT_URL = "login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = DATA_DIR / "static"
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # whitenoise warns at start-up when it is missing
+# plotly.js comes from the installed plotly package (these machines are offline; never a CDN).
+STATICFILES_DIRS = [("vendor/plotly", str(Path(plotly.__file__).parent / "package_data"))]
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = DEBUG
+
+# --- clusterdx ---------------------------------------------------------------------------------------------------
+CLUSTERDX = {
+    # Ingest: compressed and decompressed body limits (413 beyond).
+    "INGEST_MAX_BODY_BYTES": env_int("CLUSTERDX_INGEST_MAX_BODY_BYTES", 8 * 1024 * 1024, min=1024),
+    # Live: at most one websocket frame per client per this many milliseconds.
+    "LIVE_FRAME_INTERVAL_MS": env_int("CLUSTERDX_LIVE_FRAME_INTERVAL_MS", 250, min=20),
+    # How many recent steps a run page starts with.
+    "LIVE_SNAPSHOT_STEPS": env_int("CLUSTERDX_LIVE_SNAPSHOT_STEPS", 300, min=10),
+    # Time series older than this are deleted by the retention task.
+    "RETENTION_HOURS": env_float("CLUSTERDX_RETENTION_HOURS", 72.0, min=0.1),
+    # An agent silent for this long is reported down.
+    "HEARTBEAT_TIMEOUT_S": env_float("CLUSTERDX_HEARTBEAT_TIMEOUT_S", 15.0, min=1.0),
+    "DIAGNOSIS_INTERVAL_S": env_float("CLUSTERDX_DIAGNOSIS_INTERVAL_S", 5.0, min=0.5),
+    "GPU_HOUR_PRICE_USD": env_float("CLUSTERDX_GPU_HOUR_PRICE_USD", 2.5, min=0.0),
+    # Outbound webhooks to private / loopback / link-local addresses are refused unless this is set.
+    "ALERTS_ALLOW_PRIVATE": env_bool("CLUSTERDX_ALERTS_ALLOW_PRIVATE", False),
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    "loggers": {"django.channels.server": {"level": "WARNING"}},
+}

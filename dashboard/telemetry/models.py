@@ -1,0 +1,265 @@
+"""Inventory (cluster, node, GPU, run, rank) and the time series the agents and hooks send.
+
+Time series carry a denormalised ``cluster`` and are indexed by (owner, ts) so that every time-range query a page, the
+diagnosis or the retention task runs is an index range scan: per cluster, per node, per run.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+
+
+class Cluster(models.Model):
+    name = models.SlugField(max_length=64, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    members = models.ManyToManyField(settings.AUTH_USER_MODEL, blank=True, related_name="clusters")
+    # Expected interconnect, used by the NCCL checks ("socket transport on an IB cluster").
+    interconnect = models.CharField(max_length=16, default="ib", choices=[("ib", "InfiniBand/RoCE"), ("eth", "Ethernet")])
+
+    def __str__(self) -> str:
+        return self.name
+
+    def visible_to(self, user: object) -> bool:
+        return bool(getattr(user, "is_superuser", False)) or self.members.filter(pk=getattr(user, "pk", None)).exists()
+
+
+class IngestToken(models.Model):
+    """A bearer token for agents and hooks of one cluster. Only a SHA-256 digest is stored; the secret is shown once."""
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="tokens")
+    name = models.CharField(max_length=64, blank=True)
+    prefix = models.CharField(max_length=16, unique=True)  # public part, used to find the row
+    digest = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+
+class Node(models.Model):
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="nodes")
+    hostname = models.CharField(max_length=253)
+    agent_id = models.CharField(max_length=128, blank=True)
+    first_seen = models.DateTimeField(auto_now_add=True)
+    last_seen = models.DateTimeField(null=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["cluster", "hostname"], name="node_unique_host")]
+
+    def __str__(self) -> str:
+        return self.hostname
+
+
+class Gpu(models.Model):
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField()
+    uuid = models.CharField(max_length=96, blank=True)
+    name = models.CharField(max_length=96, blank=True)
+    pci_bus_id = models.CharField(max_length=32, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["node", "index"], name="gpu_unique_index")]
+
+
+class Run(models.Model):
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="runs")
+    name = models.CharField(max_length=128)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_step = models.BigIntegerField(null=True)
+    last_step_at = models.DateTimeField(null=True)
+    world_size = models.PositiveIntegerField(null=True)
+    # Run-wide facts from RunMeta (versions, parallel sizes, FLOPs per token, peak FLOPS...).
+    meta = models.JSONField(default=dict)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["cluster", "name"], name="run_unique_name")]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Rank(models.Model):
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="ranks")
+    rank = models.PositiveIntegerField()
+    node = models.ForeignKey(Node, on_delete=models.SET_NULL, null=True, related_name="ranks")
+    local_rank = models.PositiveIntegerField(null=True)
+    gpu_index = models.PositiveSmallIntegerField(null=True)
+    meta = models.JSONField(default=dict)  # this rank's RunMeta (env, dataloader, versions)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["run", "rank"], name="rank_unique")]
+
+
+class AgentBatch(models.Model):
+    """One accepted batch: the idempotency record for (cluster, agent_id, seq)."""
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE)
+    agent_id = models.CharField(max_length=128)
+    seq = models.BigIntegerField()
+    host = models.CharField(max_length=253)
+    received_at = models.DateTimeField()
+    records = models.PositiveIntegerField(default=0)
+    dropped = models.JSONField(null=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["cluster", "agent_id", "seq"], name="batch_unique_seq")]
+        indexes = [models.Index(fields=["cluster", "received_at"])]
+
+
+class GpuSample(models.Model):
+    """One GPU at one instant, as a wide row (column names = wire field names)."""
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE)
+    gpu_index = models.PositiveSmallIntegerField()
+    ts = models.DateTimeField()
+    util_gpu_pct = models.FloatField(null=True)
+    util_mem_pct = models.FloatField(null=True)
+    mem_used_bytes = models.BigIntegerField(null=True)
+    mem_total_bytes = models.BigIntegerField(null=True)
+    temp_c = models.FloatField(null=True)
+    power_w = models.FloatField(null=True)
+    power_limit_w = models.FloatField(null=True)
+    sm_clock_mhz = models.FloatField(null=True)
+    sm_clock_max_mhz = models.FloatField(null=True)
+    mem_clock_mhz = models.FloatField(null=True)
+    mem_clock_max_mhz = models.FloatField(null=True)
+    throttle_reasons = models.JSONField(null=True)
+    ecc_sbe_volatile = models.BigIntegerField(null=True)
+    ecc_dbe_volatile = models.BigIntegerField(null=True)
+    ecc_sbe_aggregate = models.BigIntegerField(null=True)
+    ecc_dbe_aggregate = models.BigIntegerField(null=True)
+    retired_pages_sbe = models.BigIntegerField(null=True)
+    retired_pages_dbe = models.BigIntegerField(null=True)
+    retired_pages_pending = models.BooleanField(null=True)
+    remap_correctable = models.BigIntegerField(null=True)
+    remap_uncorrectable = models.BigIntegerField(null=True)
+    remap_pending = models.BooleanField(null=True)
+    remap_failure = models.BooleanField(null=True)
+    pcie_replay_total = models.BigIntegerField(null=True)
+    pcie_gen = models.SmallIntegerField(null=True)
+    pcie_gen_max = models.SmallIntegerField(null=True)
+    pcie_width = models.SmallIntegerField(null=True)
+    pcie_width_max = models.SmallIntegerField(null=True)
+    nvlink_links_up = models.SmallIntegerField(null=True)
+    nvlink_links_total = models.SmallIntegerField(null=True)
+    nvlink_crc_errors_total = models.BigIntegerField(null=True)
+    nvlink_replay_errors_total = models.BigIntegerField(null=True)
+    nvlink_recovery_errors_total = models.BigIntegerField(null=True)
+    unavailable = models.JSONField(null=True)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["cluster", "ts"]),
+            models.Index(fields=["node", "gpu_index", "ts"]),
+        ]
+
+
+class HostSample(models.Model):
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE)
+    ts = models.DateTimeField()
+    cpu_pct = models.FloatField(null=True)
+    load1 = models.FloatField(null=True)
+    mem_used_bytes = models.BigIntegerField(null=True)
+    mem_total_bytes = models.BigIntegerField(null=True)
+    disk_read_bytes_per_s = models.FloatField(null=True)
+    disk_write_bytes_per_s = models.FloatField(null=True)
+    net_rx_bytes_per_s = models.FloatField(null=True)
+    net_tx_bytes_per_s = models.FloatField(null=True)
+    nfs = models.JSONField(null=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["cluster", "ts"]), models.Index(fields=["node", "ts"])]
+
+
+class PortSample(models.Model):
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE)
+    ts = models.DateTimeField()
+    device = models.CharField(max_length=64)
+    port = models.PositiveSmallIntegerField()
+    state = models.CharField(max_length=32, null=True)
+    phys_state = models.CharField(max_length=32, null=True)
+    rate_gbps = models.FloatField(null=True)
+    link_layer = models.CharField(max_length=32, null=True)
+    interval_s = models.FloatField(null=True)
+    xmit_bytes_per_s = models.FloatField(null=True)
+    rcv_bytes_per_s = models.FloatField(null=True)
+    counters = models.JSONField(null=True)
+    unavailable = models.JSONField(null=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["cluster", "ts"]), models.Index(fields=["node", "ts"])]
+
+
+class StepSample(models.Model):
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE)
+    run = models.ForeignKey(Run, on_delete=models.CASCADE)
+    node = models.ForeignKey(Node, on_delete=models.SET_NULL, null=True)
+    rank = models.PositiveIntegerField()
+    step = models.BigIntegerField()
+    ts = models.DateTimeField()
+    step_time_s = models.FloatField()
+    data_wait_s = models.FloatField(null=True)
+    compute_s = models.FloatField(null=True)
+    comm_s = models.FloatField(null=True)
+    comm_arrive_s = models.FloatField(null=True)
+    tokens = models.BigIntegerField(null=True)
+    samples = models.BigIntegerField(null=True)
+    phases = models.JSONField(null=True)
+    metrics = models.JSONField(null=True)
+    mem_allocated_bytes = models.BigIntegerField(null=True)
+    mem_reserved_bytes = models.BigIntegerField(null=True)
+    mem_total_bytes = models.BigIntegerField(null=True)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["run", "step"]),
+            models.Index(fields=["run", "ts"]),
+            models.Index(fields=["run", "rank", "step"]),
+            models.Index(fields=["cluster", "ts"]),
+        ]
+
+
+class Event(models.Model):
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, null=True)
+    run = models.ForeignKey(Run, on_delete=models.SET_NULL, null=True)
+    ts = models.DateTimeField()
+    kind = models.CharField(max_length=16)
+    severity = models.CharField(max_length=16)
+    code = models.IntegerField(null=True)
+    gpu_index = models.PositiveSmallIntegerField(null=True)
+    pci_bus_id = models.CharField(max_length=32, null=True)
+    rank = models.PositiveIntegerField(null=True)
+    step = models.BigIntegerField(null=True)
+    message = models.TextField(blank=True)
+    data = models.JSONField(null=True)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["cluster", "ts"]),
+            models.Index(fields=["node", "ts"]),
+            models.Index(fields=["run", "ts"]),
+            models.Index(fields=["cluster", "kind", "ts"]),
+        ]
+
+
+class Probe(models.Model):
+    """A pairwise probe from ``node`` to ``peer`` (the peer's host name, resolved to ``peer_node`` when known)."""
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="probes_sent")
+    peer = models.CharField(max_length=253)
+    peer_node = models.ForeignKey(Node, on_delete=models.SET_NULL, null=True, related_name="probes_received")
+    ts = models.DateTimeField()
+    sent = models.IntegerField()
+    lost = models.IntegerField()
+    rtt_ms = models.FloatField(null=True)
+    rtt_p99_ms = models.FloatField(null=True)
+    bw_gbps = models.FloatField(null=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["cluster", "ts"]), models.Index(fields=["node", "ts"])]

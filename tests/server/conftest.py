@@ -1,0 +1,127 @@
+"""Fixtures for server tests: users with and without access, a cluster with a token, and a real ASGI server
+(uvicorn, in a thread of the test process, on the test database) for websocket and browser tests."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from django.conf import settings
+
+from tests.conftest import free_port
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches() -> Iterator[None]:
+    """The ingest writer caches ids and the live state keeps the latest samples; tests roll the DB back under them."""
+    from dashboard.ingest.writer import clear_caches
+    from dashboard.live import state
+
+    clear_caches()
+    state.get_state.cache_clear()
+    live = state.get_state()
+    if hasattr(live, "clear"):
+        live.clear()
+    yield
+    clear_caches()
+
+
+@dataclass
+class World:
+    cluster: Any
+    other_cluster: Any
+    token: str
+    other_token: str
+    owner: Any
+    teammate: Any
+    outsider: Any
+    password: str = "correct horse battery staple"
+
+
+@pytest.fixture
+def world(django_user_model: Any) -> World:
+    from dashboard.telemetry import tokens
+    from dashboard.telemetry.models import Cluster
+
+    cluster = Cluster.objects.create(name="prod-a")
+    other = Cluster.objects.create(name="prod-b")
+    pw = World.password
+    owner = django_user_model.objects.create_user("alice", password=pw)
+    teammate = django_user_model.objects.create_user("bob", password=pw)
+    outsider = django_user_model.objects.create_user("mallory", password=pw)
+    cluster.members.add(owner, teammate)
+    other.members.add(outsider)
+    _, token = tokens.create_token(cluster, "agents")
+    _, other_token = tokens.create_token(other, "agents")
+    return World(cluster, other, token, other_token, owner, teammate, outsider)
+
+
+def make_batch(seq: int = 0, host: str = "node-000", agent_id: str | None = None, **extra: Any) -> dict[str, Any]:
+    now = time.time()
+    batch: dict[str, Any] = {
+        "v": 1, "agent_id": agent_id or f"agent-{host}", "seq": seq, "host": host, "sent_at": now,
+        "gpus": [{"ts": now, "index": i, "util_gpu_pct": 50.0 + i, "mem_used_bytes": 10**9, "power_w": 300.0,
+                  "temp_c": 60.0, "uuid": f"GPU-{host}-{i}"} for i in range(2)],
+        "steps": [{"run": "run-1", "rank": r, "step": seq + 1, "ts": now, "step_time_s": 1.0, "data_wait_s": 0.1,
+                   "compute_s": 0.7, "comm_s": 0.2, "tokens": 4096} for r in range(2)],
+    }
+    batch.update(extra)
+    return batch
+
+
+def post(client: Any, body: Any, token: str | None, *, gz: bool = False, content_type: str = "application/json",
+         **headers: str) -> Any:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    if gz:
+        data = gzip.compress(data)
+        headers["HTTP_CONTENT_ENCODING"] = "gzip"
+    if token is not None:
+        headers["HTTP_AUTHORIZATION"] = f"Bearer {token}"
+    return client.generic("POST", "/api/v1/ingest", data, content_type=content_type, **headers)
+
+
+class AsgiServer:
+    """uvicorn serving dashboard.asgi in a background thread (its own event loop), like production does."""
+
+    def __init__(self) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config("dashboard.asgi:application", host="127.0.0.1", port=self.port, lifespan="on",
+                                log_level="warning", ws="websockets-sansio")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> AsgiServer:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture
+def asgi_server(transactional_db: None) -> Iterator[AsgiServer]:
+    server = AsgiServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def session_cookie(client: Any, user: Any) -> str:
+    client.force_login(user)
+    return f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}"
