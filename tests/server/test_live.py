@@ -1,0 +1,104 @@
+"""The live path end to end: HTTP ingest -> database -> broadcast -> a real websocket on a real ASGI server."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from dashboard.live.events import FRAME_SCHEMA, GPU_ROW, STEP_ROW
+from dashboard.telemetry.models import Run
+from tests.server.conftest import AsgiServer, World, make_batch, session_cookie
+
+
+def ws_connect(server: AsgiServer, path: str, cookie: str | None) -> Any:
+    headers = {"Origin": server.url}
+    if cookie:
+        headers["Cookie"] = cookie
+    return connect(f"ws://127.0.0.1:{server.port}{path}", additional_headers=headers, open_timeout=10)
+
+
+def recv_json(ws: Any, timeout: float = 10) -> dict[str, Any]:
+    frame = json.loads(ws.recv(timeout=timeout))
+    jsonschema.validate(frame, FRAME_SCHEMA)
+    return frame
+
+
+def ingest(server: AsgiServer, token: str, batch: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.url}/api/v1/ingest", json=batch, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+
+
+def test_it_pushes_an_ingested_step_to_the_run_page_socket(asgi_server: AsgiServer, world: World, client: Any) -> None:
+    assert ingest(asgi_server, world.token, make_batch(seq=0)).status_code == 200
+    run = Run.objects.get(name="run-1")
+    with ws_connect(asgi_server, f"/ws/live/?run={run.id}", session_cookie(client, world.owner)) as ws:
+        snap = recv_json(ws)
+        assert snap["type"] == "snapshot" and snap["run"]["name"] == "run-1"
+        assert snap["columns"] == {"steps": STEP_ROW, "gpus": GPU_ROW}
+        assert sorted((row[0], row[1]) for row in snap["steps"]) == [(1, 0), (1, 1)]
+        t0 = time.monotonic()
+        batch = make_batch(seq=1)
+        batch["steps"][0]["data_wait_s"] = 0.42
+        batch["gpus"][0]["util_gpu_pct"] = 7.5
+        assert ingest(asgi_server, world.token, batch).json()["status"] == "accepted"
+        seen_steps: list[list[Any]] = []
+        seen_gpus: list[list[Any]] = []
+        while not (seen_steps and seen_gpus) and time.monotonic() - t0 < 10:
+            frame = recv_json(ws)
+            assert frame["type"] == "delta"
+            seen_steps += frame.get("steps", [])
+            seen_gpus += frame.get("gpus", [])
+        assert [2, 0] == seen_steps[0][:2] and seen_steps[0][STEP_ROW.index("data_wait_s")] == 0.42
+        assert any(g[0] == "node-000" and g[1] == 0 and g[GPU_ROW.index("util_gpu_pct")] == 7.5 for g in seen_gpus)
+
+
+def test_frames_are_throttled_and_merge_deltas(asgi_server: AsgiServer, world: World, client: Any, settings: Any) -> None:
+    assert ingest(asgi_server, world.token, make_batch(seq=0)).status_code == 200
+    run = Run.objects.get(name="run-1")
+    with ws_connect(asgi_server, f"/ws/live/?run={run.id}", session_cookie(client, world.owner)) as ws:
+        recv_json(ws)
+        for seq in range(1, 21):  # 20 batches as fast as possible
+            assert ingest(asgi_server, world.token, make_batch(seq=seq)).status_code == 200
+        frames, steps, deadline = 0, set(), time.monotonic() + 10
+        while len(steps) < 40 and time.monotonic() < deadline:
+            frame = recv_json(ws)
+            frames += 1
+            steps |= {(row[0], row[1]) for row in frame.get("steps", [])}
+        assert len(steps) == 40, "every step reaches the browser"
+        assert frames < 20, f"{frames} frames for 20 batches: deltas must be merged per client"
+
+
+def test_it_refuses_anonymous_sockets_and_outsiders(asgi_server: AsgiServer, world: World, client: Any) -> None:
+    assert ingest(asgi_server, world.token, make_batch(seq=0)).status_code == 200
+    run = Run.objects.get(name="run-1")
+    for cookie in (None, session_cookie(client, world.outsider), "sessionid=forged"):
+        # Closed before accept: the handshake itself is refused, so nothing about the run is ever sent.
+        with pytest.raises(InvalidStatus) as exc:
+            ws_connect(asgi_server, f"/ws/live/?run={run.id}", cookie)
+        assert exc.value.response.status_code == 403
+    for bad in ("?run=abc", "?run=999999", "", "?cluster=-1"):
+        with pytest.raises(InvalidStatus):
+            ws_connect(asgi_server, f"/ws/live/{bad}", session_cookie(client, world.owner))
+    # A teammate may watch the run; another cluster's member may not watch this cluster either.
+    with ws_connect(asgi_server, f"/ws/live/?cluster={world.cluster.id}", session_cookie(client, world.teammate)) as ws:
+        assert recv_json(ws)["type"] == "snapshot"
+
+
+def test_a_cluster_socket_gets_gpu_updates_and_severe_events(asgi_server: AsgiServer, world: World, client: Any) -> None:
+    with ws_connect(asgi_server, f"/ws/live/?cluster={world.cluster.id}", session_cookie(client, world.owner)) as ws:
+        assert recv_json(ws)["type"] == "snapshot"
+        xid = {"ts": time.time(), "kind": "xid", "severity": "critical", "code": 79, "gpu_index": 3,
+               "message": "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus. <b>hostile</b>"}
+        assert ingest(asgi_server, world.token, make_batch(seq=0, events=[xid])).status_code == 200
+        events: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 10
+        while not events and time.monotonic() < deadline:
+            events += recv_json(ws).get("events", [])
+        assert events[0]["code"] == 79 and events[0]["host"] == "node-000"
+        assert "<b>hostile</b>" in events[0]["message"], "text travels verbatim; the page escapes it"
