@@ -49,6 +49,7 @@ INSTALLED_APPS = [
     "dashboard.live",
     "dashboard.web",
     "dashboard.api",
+    "dashboard.diagnosis",
 ]
 
 MIDDLEWARE = [
