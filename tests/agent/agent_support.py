@@ -171,9 +171,9 @@ class AgentProcess:
 
 def start_agent(tmp_path: Path, server: str, *, lib_dir: Path | None, scenario: str = "", interval: float = 0.2,
                 toml: str = "", args: tuple[str, ...] = (), spool: Path | None = None, name: str = "agent",
-                hook_port: int | None = None) -> AgentProcess:
-    token = tmp_path / "token"
-    token.write_text(TOKEN + "\n")
+                hook_port: int | None = None, token: str = TOKEN) -> AgentProcess:
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
     spool = spool or tmp_path / f"{name}-spool.sqlite3"
     hook_port = hook_port or free_port()
     config = tmp_path / f"{name}.toml"
@@ -192,7 +192,7 @@ def start_agent(tmp_path: Path, server: str, *, lib_dir: Path | None, scenario: 
     log_path = tmp_path / f"{name}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "clusterdx", "agent", "--server", server, "--token-file", str(token),
+            [sys.executable, "-m", "clusterdx", "agent", "--server", server, "--token-file", str(token_file),
              "--config", str(config), *args],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
         )

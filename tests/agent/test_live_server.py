@@ -1,0 +1,46 @@
+"""End to end: the agent process posting to the real Django ingest (pytest-django's live_server)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_support import start_agent, wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SCENARIO = "gpus 8\n0 3 ecc_sbe_volatile 10 20\n0.3 2 xid 79\n0 7 error nvmlDeviceGetPcieReplayCounter 3\n"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_ingest_caches() -> Iterator[None]:
+    from dashboard.ingest.writer import clear_caches
+
+    clear_caches()
+    yield
+    clear_caches()
+
+
+def test_the_agent_feeds_the_real_ingest(live_server: Any, standin: Path, tmp_path: Path) -> None:
+    from dashboard.telemetry import tokens
+    from dashboard.telemetry.models import AgentBatch, Cluster, Event, GpuSample
+
+    cluster = Cluster.objects.create(name="e2e")
+    _, token = tokens.create_token(cluster, "agents")
+    agent = start_agent(tmp_path, live_server.url, lib_dir=standin, scenario=SCENARIO, interval=0.2, token=token)
+    try:
+        wait_for(lambda: AgentBatch.objects.filter(cluster=cluster).count() >= 4
+                 and Event.objects.filter(cluster=cluster, kind="xid").exists(), what="batches and the Xid stored")
+    finally:
+        agent.stop()
+    seqs = list(AgentBatch.objects.filter(cluster=cluster, agent_id="test-node").order_by("seq")
+                .values_list("seq", flat=True))
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    xid = Event.objects.get(cluster=cluster, kind="xid")
+    assert (xid.code, xid.gpu_index, xid.severity) == (79, 2, "critical")
+    latest = GpuSample.objects.filter(cluster=cluster, gpu_index=7).latest("ts")
+    assert latest.pcie_replay_total is None and latest.unavailable["pcie_replay_total"] == "not supported"
+    assert GpuSample.objects.filter(cluster=cluster, gpu_index=3).latest("ts").ecc_sbe_volatile > 10
+    assert "token refused" not in agent.log() and "rejected" not in agent.log()
