@@ -243,6 +243,8 @@ class Shipper:
         """Sends datagrams; returns what could not be delivered (for the server, or to drop)."""
         chunks = list(self._datagrams(records))
         for i, chunk in enumerate(chunks):
+            if i:
+                time.sleep(0.001)  # a backlog goes out as a burst; pace it so the agent's socket buffer keeps up
             if not self._send_datagram(chunk):
                 self._agent_down_until = time.monotonic() + _AGENT_RETRY_S
                 self.warn_once("agent_down", f"clusterdx hooks: no agent listens on {self.config.agent_addr}; "
