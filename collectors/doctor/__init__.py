@@ -27,11 +27,14 @@ KINDS = ("nccl", "torch", "xid", "nvidia-smi", "ib")
 HEAD_BYTES = 64 * 1024
 
 _SMI = ("<nvidia_smi_log", "NVSMI LOG")
+_SMI_KEYS = ("Retired Pages", "Remapped Rows", "Clocks Throttle Reasons", "Clocks Event Reasons", "ECC Errors",
+             "Pending Page Blacklist", "Power Readings", "Ecc Mode", "Product Name", "<gpu id=")
 _SMI_GPU_RE = re.compile(r"^GPU [0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]\s*$", re.M)
 _IB = ("CA '", "hca_id:", "# Port counters", "# Port extended counters", "Errors for ", "/sys/class/infiniband/",
        "Physical state:", "phys_port_cnt", "SymbolErrorCounter")
 _TORCH = ("Watchdog caught", "DistBackendError", "DistStoreError", "DistNetworkError", "NCCL error",
-          "ChildFailedError", "ProcessGroupNCCL.cpp", "Heartbeat monitor timed out", "store_based_barrier")
+          "ChildFailedError", "ProcessGroupNCCL.cpp", "Heartbeat monitor timed out", "store_based_barrier",
+          "Root Cause (first observed failure)", "(local_rank: ")
 _NCCL = (" NCCL INFO ", " NCCL WARN ", "NCCL version ")
 _OLD_NCCL_RE = re.compile(r"^\S*?[\w.-]+:\d+:\d+ \[\d+\] (?:INFO|WARN) ", re.M)
 _XID = ("NVRM: Xid", "has fallen off the bus")
@@ -39,7 +42,8 @@ _XID = ("NVRM: Xid", "has fallen off the bus")
 
 def detect_kind(sample: str) -> str:
     """The most likely kind of a text sample (its first few tens of KB): one of KINDS, or "unknown"."""
-    if any(m in sample for m in _SMI) or (_SMI_GPU_RE.search(sample) and "Product Name" in sample):
+    if any(m in sample for m in _SMI) or (_SMI_GPU_RE.search(sample) and "Product Name" in sample) or \
+            sum(m in sample for m in _SMI_KEYS) >= 2:
         return "nvidia-smi"
     nccl = sum(sample.count(m) for m in _NCCL) + len(_OLD_NCCL_RE.findall(sample))
     xid = sum(sample.count(m) for m in _XID)
@@ -106,12 +110,16 @@ def _wrap_width(lines: Iterable[str]) -> int | None:
     return None
 
 
+# Lines that begin a record of their own even right after a full-width line.
+_RECORD_STARTS = ("Traceback", "[rank", "[E", "[W", "[I", "NCCL version", "  File ")
+
+
 def _unwrap(lines: Iterable[str], width: int) -> Iterator[str]:
     """Join a line cut at ``width`` with its continuation (a line that does not start a record of its own)."""
     prev: str | None = None
     seg = 0
     for line in lines:
-        if prev is not None and seg == width and line and not line[0].isspace() and not line.startswith("[") \
+        if prev is not None and seg == width and line and not line.startswith(_RECORD_STARTS) \
                 and parse_record(line) is None:
             prev += line
             seg = len(line)
@@ -148,6 +156,9 @@ def _job(kind: str | None, detected: str, lines: Iterable[str]) -> Report:
             continue
         total += 1
         if nccl_feed(line):
+            # torch's own error lines quote "NCCL version x.y"; they are torch's facts too.
+            if "NCCL error" in line or "WorkNCCL" in line:
+                torch_feed(line)
             continue
         if not torch_feed(line) and not xid_feed(line):
             unparsed += 1
@@ -171,7 +182,7 @@ def _job_kind(detected: str, nccl: NcclFacts, torch: TorchFacts, xid: XidFacts) 
         return "xid"
     if nccl.records:
         return "nccl"
-    return detected if detected in ("torch", "xid", "nccl") and (torch.errors or xid.events) else "unknown"
+    return detected if detected in ("torch", "xid", "nccl") and (torch.recognized or xid.events) else "unknown"
 
 
 def _report(kind: str, facts: dict[str, Any], findings: list[Finding], total: int, unparsed: int) -> Report:

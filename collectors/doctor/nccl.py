@@ -22,6 +22,7 @@ _LEVELS = (" NCCL INFO ", " NCCL WARN ", " INFO ", " WARN ", " NCCL TRACE ", " N
 # host:pid:tid [dev] with an optional "file.cc:123" (WARN lines) and optional "NCCL"; anchored at the level.
 _HEAD_RE = re.compile(r"(?:^|[\s|>\]:])(?P<host>[^\s:|\[\]]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\]"
                       r"(?: [\w./+-]+:\d+)?(?: NCCL)?$")
+_TZ_GLUE_RE = re.compile(r"\d[+-]\d\d:$")
 _VERSION_RE = re.compile(r"NCCL version (?P<v>\d+\.\d+\.\d+[\w.+-]*)")
 _NRANKS_RE = re.compile(r"\bnranks (\d+)")
 _RANK_RE = re.compile(r"\brank (\d+) nranks")
@@ -70,7 +71,13 @@ def _head(pre: str) -> tuple[str, int, int] | None:
     if hit is not False:
         return hit  # type: ignore[return-value]
     m = _HEAD_RE.search(pre)
-    out = (m["host"], int(m["dev"]), m.start("host")) if m else None
+    out = None
+    if m:
+        host, start = m["host"], m.start("host")
+        # CloudWatch glues "...T16:39:51.208-07:00" to the host: drop the timezone's minutes ("00ip-10-...").
+        if _TZ_GLUE_RE.search(pre, 0, start) and host[:2].isdigit() and host[2:3].isalpha():
+            host, start = host[2:], start + 2
+        out = (host, int(m["dev"]), start)
     if len(_head_cache) > 20000:
         _head_cache.clear()
     _head_cache[pre] = out
@@ -179,6 +186,7 @@ class NcclFacts:
         self.error_codes: dict[int, int] = {}
         self.ib_errors: list[dict[str, str]] = []
         self.ib_missing = False
+        self.socket_net = False  # "NET/Socket : Using ..." - the socket transport was set up for the network
         self.plugin_failed: str | None = None
         self.failed = False
         self.records = 0
@@ -244,6 +252,8 @@ class NcclFacts:
                 self.gdr_used = True
         elif msg.startswith("NET/IB : No device found"):
             self.ib_missing = True
+        elif msg.startswith("NET/Socket : Using"):
+            self.socket_net = True
         elif "Abort" in msg or "Init FAILED" in msg:
             self.failed = True
         elif msg.startswith("NET/Plugin") and ("Failed" in msg or "failed" in msg or "returned" in msg):

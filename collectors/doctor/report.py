@@ -32,7 +32,8 @@ class Report:
 
     @property
     def verdict(self) -> str:
-        return f"{self.finding.cause}. Next: {self.finding.fix}"
+        cause, fix = self.finding.cause, self.finding.fix
+        return f"{cause[:1].upper()}{cause[1:]}. Next: {fix}"
 
     def to_dict(self) -> dict[str, Any]:
         """Exactly the issue's JSON: kind, facts, verdict, unparsed_lines."""
@@ -44,7 +45,8 @@ class Report:
     def render_text(self) -> str:
         out = [f"kind: {self.kind}  ({self.lines} lines read, {self.unparsed_lines} not understood)", "", "facts:"]
         out += [f"  {line}" for line in _render_facts(self.facts)]
-        out += ["", f"verdict: {self.finding.cause}.", f"next:    {self.finding.fix}"]
+        cause = self.finding.cause
+        out += ["", f"verdict: {cause[:1].upper()}{cause[1:]}.", f"next:    {self.finding.fix}"]
         if self.finding.evidence:
             out += ["", "evidence:"] + [f"  {e}" for e in self.finding.evidence[:5]]
         if self.others:

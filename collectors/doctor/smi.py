@@ -37,6 +37,7 @@ class SmiFacts:
         self._xml: ET.XMLPullParser | None = None
         self._xml_lines = 0
         self._xml_broken = False
+        self._open_gpu: ET.Element | None = None  # a <gpu> cut off by a truncated paste
 
     # -- feeding ----------------------------------------------------------------------------------------------
     def feed(self, line: str) -> bool:
@@ -52,8 +53,15 @@ class SmiFacts:
                 self.gpus.append({"_tree": tree, "_bus": m.group(1)})
             self._stack = [(-1, tree)]
             return True
-        if not self._stack or not line.strip():
-            return bool(line.strip()) and self._header(line)
+        if not line.strip():
+            return False
+        if not self._stack:
+            if self._header(line) or not line.startswith(" ") or len(self.gpus) >= _MAX_GPUS:
+                return self._header(line)
+            # A paste that starts inside a GPU block (the header was cut off): read it as one unnamed GPU.
+            tree = {}
+            self.gpus.append({"_tree": tree, "_bus": None})
+            self._stack = [(-1, tree)]
         indent = len(line) - len(line.lstrip(" "))
         while len(self._stack) > 1 and self._stack[-1][0] >= indent:
             self._stack.pop()
@@ -81,14 +89,17 @@ class SmiFacts:
             self._xml_broken = True
             return False
         if self._xml is None:
-            self._xml = ET.XMLPullParser(events=("end",))
+            self._xml = ET.XMLPullParser(events=("start", "end"))
         self._xml_lines += 1
         if line.lstrip().startswith("<!DOCTYPE"):
             return True
         try:
             self._xml.feed(line + "\n")
-            for _, elem in self._xml.read_events():
-                if elem.tag == "gpu":
+            for event, elem in self._xml.read_events():
+                if elem.tag == "gpu" and event == "start":
+                    self._open_gpu = elem
+                elif elem.tag == "gpu":
+                    self._open_gpu = None
                     if len(self.gpus) < _MAX_GPUS:
                         self.gpus.append({"_xml": _xml_gpu(elem)})
                     elem.clear()
@@ -99,7 +110,10 @@ class SmiFacts:
 
     # -- facts ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {"gpus": [g["_xml"] if "_xml" in g else _text_gpu(g["_bus"], g["_tree"]) for g in self.gpus]}
+        gpus = [g["_xml"] if "_xml" in g else _text_gpu(g["_bus"], g["_tree"]) for g in self.gpus]
+        if self._open_gpu is not None and len(gpus) < _MAX_GPUS:
+            gpus.append(_xml_gpu(self._open_gpu))
+        return {"gpus": gpus}
 
     def findings(self) -> list[Finding]:
         out: list[Finding] = []

@@ -49,13 +49,16 @@ class TorchFacts:
         self.evidence: list[str] = []
         self.oom = False
         self.errors = 0
+        self.recognized = 0
 
     def feed(self, line: str) -> bool:
         if not any(m in line for m in _MARKERS):
             return False
         hit = self._classify(line)
         self._details(line, hit)
-        return hit or self._table(line)
+        hit = hit or self._table(line)
+        self.recognized += hit
+        return hit
 
     def _classify(self, line: str) -> bool:
         cls = None
@@ -191,6 +194,11 @@ class TorchFacts:
         elif cls == "other":
             out.append(Finding(40, "A torch.distributed error was reported", "read the first error line below; "
                                "the first rank to fail is the cause, the others report the consequence", ev))
+        failed = sorted(c for c in self.exit_codes if c not in (0, -9))
+        if failed and not out:
+            out.append(Finding(40, f"Ranks exited with code {', '.join(map(str, failed))} (torchrun's failure table "
+                               "only says that they died, not why)", "scroll up to the first Python traceback of the "
+                               "'Root Cause' rank; -6 (SIGABRT) usually follows an NCCL watchdog timeout", ev))
         if -9 in self.exit_codes:
             out.append(Finding(80, "A rank was killed with SIGKILL (exitcode -9): usually the host ran out of "
                                "memory (OOM killer) or the scheduler killed it", "check `dmesg | grep -i oom` on "

@@ -54,7 +54,8 @@ def _ib_completion(f: NcclFacts) -> Finding | None:
 
 
 def _socket_fallback(f: NcclFacts) -> Finding | None:
-    on_socket = f.network == "Socket" or "Socket" in f.transports
+    on_socket = f.network == "Socket" or "Socket" in f.transports or (
+        f.ib_missing and f.socket_net and f.network is None)
     if not on_socket:
         return None
     ib_disable = f.env.get("NCCL_IB_DISABLE", "0").strip() not in ("0", "")
@@ -86,6 +87,9 @@ _WARN_RULES: tuple[tuple[tuple[str, ...], int, str, str], ...] = (
      "an IB verbs call failed while setting up a connection",
      "RoCE: set NCCL_IB_GID_INDEX (usually 3) and check the GID table; ibv_reg_mr: raise ulimit -l to unlimited; "
      "check the HCA with ibv_devinfo"),
+    (("NET/OFI",), 78, "the AWS OFI (libfabric/EFA) network plugin failed",
+     "check that the EFA devices are visible in the job (fi_info -p efa; mount /dev/infiniband into the container) "
+     "and that the aws-ofi-nccl and libfabric versions match the NCCL in use"),
     (("Connection refused", "connect to", "Connect to", "Call to connect", "No route to host"), 75,
      "a rank could not open a TCP connection to another one (bootstrap or socket transport)",
      "check NCCL_SOCKET_IFNAME picks an interface every node can reach (not docker0/lo), firewalls, and that "
