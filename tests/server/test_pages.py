@@ -1,0 +1,73 @@
+"""Pages are login-required and scoped to cluster members: owner and teammate see, the outsider gets a 404."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+import pytest
+
+from clusterdx import wire
+from dashboard.telemetry.models import Run
+from tests.server.conftest import World, make_batch, post
+
+pytestmark = pytest.mark.django_db
+
+
+def test_pages_require_a_login(client: Any, world: World) -> None:
+    post(client, make_batch(), world.token)
+    run = Run.objects.get()
+    for url in ("/", f"/clusters/{world.cluster.name}/", f"/runs/{run.id}/"):
+        r = client.get(url)
+        assert r.status_code == 302 and r["Location"].startswith("/login/"), url
+
+
+def test_members_see_the_cluster_and_run_pages(client: Any, world: World) -> None:
+    post(client, make_batch(), world.token)
+    run = Run.objects.get()
+    for user in (world.owner, world.teammate):
+        client.force_login(user)
+        home = client.get("/")
+        assert home.status_code == 200 and b"prod-a" in home.content and b"prod-b" not in home.content
+        page = client.get(f"/runs/{run.id}/")
+        assert page.status_code == 200
+        assert b"/static/vendor/plotly/plotly.min.js" in page.content, "plotly.js is served locally, never a CDN"
+        assert b"cdn" not in page.content.lower()
+        assert client.get(f"/clusters/{world.cluster.name}/").status_code == 200
+
+
+def test_an_outsider_gets_404_not_403(client: Any, world: World) -> None:
+    post(client, make_batch(), world.token)
+    run = Run.objects.get()
+    client.force_login(world.outsider)
+    assert client.get(f"/runs/{run.id}/").status_code == 404
+    assert client.get(f"/clusters/{world.cluster.name}/").status_code == 404
+    assert b"prod-a" not in client.get("/").content
+
+
+def test_plotly_is_served_from_the_installed_package(client: Any, world: World) -> None:
+    r = client.get("/static/vendor/plotly/plotly.min.js")
+    assert r.status_code == 200
+    body = b"".join(r.streaming_content) if r.streaming else r.content
+    assert len(body) > 1_000_000 and b"plotly" in body[:2000].lower()
+
+
+def test_the_openapi_document_describes_the_wire_format(client: Any) -> None:
+    r = client.get("/api/openapi.json")
+    assert r.status_code == 200
+    doc = r.json()
+    assert doc["openapi"].startswith("3.1")
+    ingest = doc["paths"]["/api/v1/ingest"]["post"]
+    assert {"200", "400", "401", "403", "405", "413", "415", "503"} <= set(ingest["responses"])
+    schemas = doc["components"]["schemas"]
+    # The published schema accepts what the validator accepts and refuses what it refuses.
+    resolver_doc = {"components": {"schemas": schemas}}
+    batch = make_batch(cluster="prod-a")
+    assert wire.validate_batch(batch)
+    jsonschema.validate(batch, {**schemas["Batch"], **resolver_doc})
+    bad = make_batch()
+    bad["gpus"][0]["util_gpu_pct"] = 140
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, {**schemas["Batch"], **resolver_doc})
+    with pytest.raises(wire.WireError):
+        wire.validate_batch(bad)
