@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from collectors.doctor import diagnose  # noqa: E402
+from collectors.doctor import diagnose
 
 
 def _rank_lines(node: int, gpu: int, rng: random.Random) -> list[str]:
@@ -28,7 +28,8 @@ def _rank_lines(node: int, gpu: int, rng: random.Random) -> list[str]:
     lines = [
         f"{host}:{pid}:{pid} [{gpu}] NCCL INFO Bootstrap : Using eth0:10.1.{node}.{gpu}<0>",
         f"{host}:{pid}:{pid} [{gpu}] NCCL INFO NCCL_IB_HCA set by environment to mlx5_0,mlx5_1,mlx5_2,mlx5_3",
-        f"{host}:{pid}:{pid} [{gpu}] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB ; OOB eth0:10.1.{node}.1<0>",
+        f"{host}:{pid}:{pid} [{gpu}] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB ; "
+        f"OOB eth0:10.1.{node}.1<0>",
         head + "Using network IB",
         head + f"comm 0x55d1c{rank:04x} rank {rank} nranks 128 cudaDev {gpu} nvmlDev {gpu} busId {gpu}b000 "
                "commId 0x9c4f3a1b2d - Init START",
@@ -39,7 +40,8 @@ def _rank_lines(node: int, gpu: int, rng: random.Random) -> list[str]:
         if gpu == 7 or rng.random() < 0.2:
             nxt = ((node + 1) % 16) * 8
             lines.append(head + f"Channel {ch:02d}/0 : {rank}[{gpu}] -> {nxt}[0] [send] via NET/IB/{gpu % 4}/GDRDMA")
-        lines.append(head + f"Trees [{ch}] {rank + 1}/-1/-1->{rank}->{max(rank - 1, 0)} [{ch + 1}] -1/-1/-1->{rank}->-1")
+        lines.append(head + f"Trees [{ch}] {rank + 1}/-1/-1->{rank}->{max(rank - 1, 0)} "
+                            f"[{ch + 1}] -1/-1/-1->{rank}->-1")
     lines.append(head + "Connected all rings")
     lines.append(head + f"comm 0x55d1c{rank:04x} rank {rank} nranks 128 cudaDev {gpu} busId {gpu}b000 - Init COMPLETE")
     return lines
@@ -77,9 +79,9 @@ def main() -> int:
     if args.file:
         path = args.file
     else:
-        tmp = tempfile.NamedTemporaryFile(prefix="doctor-bench-", suffix=".log", delete=False)
-        tmp.close()
-        path = Path(tmp.name)
+        fd, name = tempfile.mkstemp(prefix="doctor-bench-", suffix=".log")
+        os.close(fd)
+        tmp = path = Path(name)
         write_log(path, args.mb)
     size = path.stat().st_size
     try:

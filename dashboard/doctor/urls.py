@@ -1,0 +1,5 @@
+from django.urls import path
+
+from dashboard.doctor import views
+
+urlpatterns = [path("", views.doctor, name="doctor")]
