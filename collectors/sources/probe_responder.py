@@ -59,10 +59,8 @@ class Responder:
         self.idle_timeout_s = idle_timeout_s
         self.port = 0
         self._listener: socket.socket | None = None
-        self._selector = selectors.DefaultSelector()
         self._conns: dict[int, _Conn] = {}
         self._stop = threading.Event()
-        self._wake_r, self._wake_w = socket.socketpair()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -78,21 +76,25 @@ class Responder:
         listener.setblocking(False)
         self._listener = listener
         self.port = listener.getsockname()[1]
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()  # lets stop() interrupt the select at once
         self._selector.register(listener, selectors.EVENT_READ, None)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._thread = threading.Thread(target=self._run, name="clusterdx-probe-responder", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        if self._listener is None:
+            return  # never started
         self._stop.set()
         self._wake_w.send(b"x")
         if self._thread is not None:
             self._thread.join(5)
         for conn in list(self._conns.values()):
             self._drop(conn)
-        if self._listener is not None:
-            self._selector.unregister(self._listener)
-            self._listener.close()
+        self._selector.unregister(self._listener)
+        self._listener.close()
+        self._listener = None
         self._selector.close()
         self._wake_r.close()
         self._wake_w.close()

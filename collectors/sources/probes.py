@@ -310,8 +310,7 @@ class ProbeSource:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.max_round_s + self.bulk_timeout_s + 2)
-        if self.responder.port:
-            self.responder.stop()
+        self.responder.stop()
 
     @property
     def listening_port(self) -> int:

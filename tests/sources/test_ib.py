@@ -54,6 +54,7 @@ def test_it_reports_no_interval_on_first_sight(sysfs: Path) -> None:
     assert source.start() is None
     out = Collected()
     source.collect(1000.0, out)
+    source.close()
     assert [(p["device"], p["port"]) for p in out.ports] == [("mlx5_0", 1), ("mlx5_1", 1), ("mlx5_2", 1), ("mlx5_3", 1)]
     first = out.ports[0]
     assert "counters" not in first and "xmit_bytes_per_s" not in first
@@ -138,7 +139,30 @@ def test_it_survives_a_port_that_vanishes(sysfs: Path) -> None:
     shutil.rmtree(sysfs / "mlx5_2")
     out = Collected()
     source.collect(1001.0, out)
+    source.close()
     assert [p["device"] for p in out.ports] == ["mlx5_0", "mlx5_1", "mlx5_3"]
+
+
+@pytest.mark.parametrize("max_open_files", [0, 20, 1024])
+def test_held_files_and_files_opened_each_time_read_the_same(sysfs: Path, max_open_files: int) -> None:
+    ports = _two_samples(sysfs, max_open_files=max_open_files)
+    assert ports["mlx5_0"]["counters"]["port_xmit_data"] == 7_500_000_000
+    assert ports["mlx5_2"]["counters"]["hw.out_of_buffer"] == 17
+    assert ports["mlx5_1"]["unavailable"]["symbol_error"].startswith("saturated")
+
+
+def test_a_reloaded_driver_is_read_again_after_a_rescan(sysfs: Path) -> None:
+    """New sysfs nodes under the same names (driver reload): held descriptors would read the old ones forever."""
+    source = IbSource(root=str(sysfs), rescan_s=0)
+    assert source.start() is None
+    source.collect(1000.0, Collected())
+    counter = sysfs / "mlx5_0" / "ports" / "1" / "counters" / "link_downed"
+    counter.unlink()
+    counter.write_text("3\n")  # a new inode
+    out = Collected()
+    source.collect(1001.0, out)
+    source.close()
+    assert out.ports[0]["counters"]["link_downed"] == 3
 
 
 def test_counter_delta_rules() -> None:
