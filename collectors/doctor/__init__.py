@@ -36,7 +36,8 @@ _TORCH = ("Watchdog caught", "DistBackendError", "DistStoreError", "DistNetworkE
           "ChildFailedError", "ProcessGroupNCCL.cpp", "Heartbeat monitor timed out", "store_based_barrier",
           "Root Cause (first observed failure)", "(local_rank: ")
 _NCCL = (" NCCL INFO ", " NCCL WARN ", "NCCL version ")
-_OLD_NCCL_RE = re.compile(r"^\S*?[\w.-]+:\d+:\d+ \[\d+\] (?:INFO|WARN) ", re.M)
+# Bounded and anchored at a word start so a 64 KB line of junk costs linear time, not quadratic.
+_OLD_NCCL_RE = re.compile(r"(?<![\w.-])[\w.-]{1,100}:\d{1,10}:\d{1,10} \[\d{1,4}\] (?:INFO|WARN) ")
 _XID = ("NVRM: Xid", "has fallen off the bus")
 
 

@@ -30,7 +30,7 @@ _PERF_RE = re.compile(r"^(?P<k>\w+):\.+(?P<v>\S+)\s*$")
 _QERR_HEAD_RE = re.compile(r"^Errors for (?:0x[0-9a-fA-F]+ )?\"(?P<dev>[^\"]*)\"")
 _QERR_PORT_RE = re.compile(r"GUID (?P<guid>0x[0-9a-fA-F]+) port (?P<port>\d+):(?P<rest>.*)")
 _QERR_CTR_RE = re.compile(r"\[(?P<k>\w+) == (?P<v>\d+)\]")
-_SYSFS_RE = re.compile(r"(?:/sys/class/infiniband/)?(?P<dev>[\w.-]+)/ports/(?P<port>\d+)/"
+_SYSFS_RE = re.compile(r"(?:/sys/class/infiniband/)?(?P<dev>[\w.-]{1,64})/ports/(?P<port>\d+)/"
                        r"(?:(?:hw_)?counters/)?(?P<k>\w+)\s*:\s*(?P<v>.*?)\s*$")
 _SPEED_RE = re.compile(r"([\d.]+)\s*Gbps")
 _WIDTH_RE = re.compile(r"(\d+)X")
