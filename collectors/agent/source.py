@@ -11,6 +11,8 @@ How the agent builds a source: ``cls(**options)``, where ``options`` are the key
 parameters with defaults (``def __init__(self, *, root: str = "/sys/class/infiniband") -> None``); the agent checks
 the table against that signature before calling it, so a misspelt option is reported by name, with a suggestion.
 Records a source had to drop go into ``out.dropped`` by reason; the agent sums them into the batch.
+Optional attributes the startup summary shows when present: ``detail`` (a short line on what an active source
+reads, e.g. "8 GPU(s): NVIDIA H100 80GB HBM3") and ``notes`` (a list of one-line caveats).
 The registry of names (``gpu``, ``hooks``, ``ib``, ``host``, ``kmsg``, ``nccl``, ``probes``) lives in
 :mod:`collectors.agent.registry`; a source module that is missing or fails to import is reported as off.
 """

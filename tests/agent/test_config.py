@@ -130,3 +130,13 @@ def test_the_command_refuses_to_start_on_a_bad_config(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert f"clusterdx agent: {config} has problems:\n  interval: unknown option; did you mean 'interval_s'?" \
         in proc.stderr
+
+
+def test_the_shipped_example_config_is_valid_for_every_source_it_names() -> None:
+    raw = load_toml(REPO / "docker/agent/agent.toml.example")
+    cfg = build(raw, {}, SOURCES)
+    assert set(cfg.sources) == set(registry.SOURCES)
+    for name, table in cfg.sources.items():
+        cls, _ = registry.load_class(registry.SOURCES[name])
+        if cls is not None:  # a source missing from this install is reported as off, not checked
+            assert registry.check_options(name, cls, {k: v for k, v in table.items() if k != "enabled"}) == []
