@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import glob as globmod
 import logging
+import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -78,9 +80,10 @@ class NcclLogSource:
         self.max_events = max_events
         self.rescan_s = rescan_s
         self._tails: dict[str, _Tail] = {}
-        self._retired: dict[tuple[int, int], int] = {}  # inodes read elsewhere -> how far
+        self._retired: dict[tuple[int, int], tuple[int, float]] = {}  # renamed away: inode -> (how far, when)
+        self._retired_ttl = max(10.0, 3 * rescan_s)
         self._parser_cls: Callable[[], Any] | None = None
-        self._scanned_at: float | None = None
+        self._scanned_at = -math.inf
 
     def start(self) -> str | None:
         try:
@@ -94,9 +97,8 @@ class NcclLogSource:
     def collect(self, now: float, out: Collected) -> None:
         if self._parser_cls is None:
             return
-        if self._scanned_at is None or now - self._scanned_at >= self.rescan_s:
+        if time.monotonic() - self._scanned_at >= self.rescan_s:
             self._scan(initial=False)
-            self._scanned_at = now
         budget = self.max_bytes
         events: list[dict[str, Any]] = []
         for path in list(self._tails):
@@ -118,6 +120,7 @@ class NcclLogSource:
         found: set[str] = set()
         for pattern in self.globs:
             found.update(globmod.glob(pattern))
+        self._scanned_at = time.monotonic()
         new = sorted(found - self._tails.keys(), key=_mtime, reverse=True)
         for path in new[: max(0, self.max_files - len(self._tails))]:
             self._open(path, at_end=initial and not self.from_start)
@@ -134,8 +137,12 @@ class NcclLogSource:
         if held is not None:
             os.close(fd)
             return self._renamed(held, path)
-        # A file we already read under another name (rotated into the glob) continues where we were.
-        offset = self._retired.pop(ino, st.st_size if at_end else 0)
+        offset = st.st_size if at_end else 0
+        retired = self._retired.pop(ino, None)
+        # A file we read under another name until just now (rotated into the glob) continues where we were. Only
+        # just now: inode numbers are reused, and an old entry could make us skip the start of a new file.
+        if retired is not None and time.monotonic() - retired[1] <= self._retired_ttl and retired[0] <= st.st_size:
+            offset = retired[0]
         assert self._parser_cls is not None
         tail = _Tail(path, fd, ino, offset, self._parser_cls().feed)
         self._tails[path] = tail
@@ -155,11 +162,17 @@ class NcclLogSource:
         return tail
 
     def _retire(self, tail: _Tail) -> None:
+        try:
+            renamed = os.fstat(tail.fd).st_nlink > 0  # still has a name somewhere; 0 means deleted
+        except OSError:
+            renamed = False
         os.close(tail.fd)
         del self._tails[tail.path]
+        if not renamed:
+            return
         if len(self._retired) >= _MAX_RETIRED:
             self._retired.pop(next(iter(self._retired)))
-        self._retired[tail.ino] = tail.offset
+        self._retired[tail.ino] = (tail.offset, time.monotonic())
 
     # -- reading --------------------------------------------------------------------------------------------------
 

@@ -107,8 +107,8 @@ class _Prober:
         self._advance(len(peers), len(results))
         for peer in [p for p in self.conns if p not in results]:
             self._close(peer)  # a rotating sample: connections to peers not probed this round are let go
-        bulk_peer = self._bulk_due(peers)
-        if bulk_peer is not None and time.monotonic() < deadline:
+        bulk_peer = self._bulk_due(peers) if time.monotonic() < deadline else None
+        if bulk_peer is not None:
             results.setdefault(bulk_peer, _Result()).bw_gbps = self._bulk(bulk_peer)
         now = time.time()
         return [result.record(peer, now) for peer, result in results.items()]
