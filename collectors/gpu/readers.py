@@ -161,12 +161,28 @@ def memory_error_reader(nvml: Nvml, handle: Any) -> tuple[Reader, Reasons]:
     return (lambda _n, _h: ({}, {})), {**remap_reason, **retired_reason}
 
 
+# field -> (NVML field ids of the totals over all links, per-link error counters to sum otherwise)
+NVLINK_ERRORS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "nvlink_crc_errors_total": ((38, 45), (NVLINK_CRC_FLIT, NVLINK_CRC_DATA)),  # NVML_FI_DEV_NVLINK_CRC_*_TOTAL
+    "nvlink_replay_errors_total": ((52,), (NVLINK_REPLAY,)),  # NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL
+    "nvlink_recovery_errors_total": ((59,), (NVLINK_RECOVERY,)),  # NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL
+}
+NVLINK_TOTAL_FIELDS = sorted({i for ids, _ in NVLINK_ERRORS.values() for i in ids})
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")  # by nvmlValueType_t
+
+
+def _field_value(v: Any) -> int:
+    member = _VALUE_MEMBERS[v.valueType] if v.valueType < len(_VALUE_MEMBERS) else "ullVal"
+    return max(0, int(getattr(v.value, member)))
+
+
 class NvLinks:
     """NVLink state and error counters summed over the links this GPU has (found once, at start)."""
 
     def __init__(self, nvml: Nvml, handle: Any) -> None:
         self.links: list[int] = []
         self.reason = NOT_SUPPORTED
+        self.use_fields = True
         # Links are numbered from 0; the first one that does not answer is past the last this GPU has.
         for link in range(getattr(nvml.lib, "NVML_NVLINK_MAX_LINKS", NVLINK_MAX_LINKS)):
             _, reason = nvml.call("nvmlDeviceGetNvLinkState", handle, link)
@@ -183,13 +199,25 @@ class NvLinks:
         reasons: Reasons = {}
         up = [nvml.call("nvmlDeviceGetNvLinkState", handle, link) for link in self.links]
         values["nvlink_links_up"] = sum(1 for v, r in up if r is None and v)
-        for field, counters in (("nvlink_crc_errors_total", (NVLINK_CRC_FLIT, NVLINK_CRC_DATA)),
-                                ("nvlink_replay_errors_total", (NVLINK_REPLAY,)),
-                                ("nvlink_recovery_errors_total", (NVLINK_RECOVERY,))):
+        totals = self._field_totals(nvml, handle)
+        for field, (field_ids, counters) in NVLINK_ERRORS.items():
+            if all(i in totals for i in field_ids):
+                values[field] = sum(totals[i] for i in field_ids)
+                continue
             values[field], reason = self._sum(nvml, handle, counters)
             if reason:
                 reasons[field] = reason
         return values, reasons
+
+    def _field_totals(self, nvml: Nvml, handle: Any) -> dict[int, int]:
+        """Totals over all links in one call (what Hopper and later answer; per-link counters are deprecated)."""
+        if not self.use_fields:
+            return {}
+        got, reason = nvml.call("nvmlDeviceGetFieldValues", handle, NVLINK_TOTAL_FIELDS)
+        if reason is not None:
+            self.use_fields = False  # an older driver: the per-link counters from now on
+            return {}
+        return {int(v.fieldId): _field_value(v) for v in got if v.nvmlReturn == 0}
 
     def _sum(self, nvml: Nvml, handle: Any, counters: tuple[int, ...]) -> tuple[int | None, str | None]:
         total = 0

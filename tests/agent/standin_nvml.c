@@ -417,6 +417,42 @@ nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t dev, unsigned int link
     return NVML_SUCCESS;
 }
 
+/* NVLink totals over all links as field values (one call per GPU; the per-link counters are the fall-back). */
+typedef struct {
+    unsigned int fieldId, scopeId;
+    long long timestamp, latencyUsec;
+    unsigned int valueType, nvmlReturn;
+    union { double d; unsigned int ui; unsigned long ul; unsigned long long ull; long long sll; int si; } value;
+} nvmlFieldValue_t;
+
+static int nvlink_total_field(unsigned int id) {
+    switch (id) {
+    case 38: return F_NVLINK_CRC_FLIT;  /* NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL */
+    case 45: return F_NVLINK_CRC_DATA;  /* NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL */
+    case 52: return F_NVLINK_REPLAY;    /* NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL */
+    case 59: return F_NVLINK_RECOVERY;  /* NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL */
+    default: return -1;
+    }
+}
+
+nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t dev, int count, nvmlFieldValue_t *values) {
+    DEVICE_CALL(dev);
+    int has_links = UINT(dev, F_NVLINKS) > 0;
+    for (int i = 0; i < count; i++) {
+        int f = nvlink_total_field(values[i].fieldId);
+        values[i].timestamp = (long long)(now_s() * 1e6);
+        values[i].latencyUsec = 0;
+        if (f < 0 || !has_links) {
+            values[i].nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+            continue;
+        }
+        values[i].nvmlReturn = NVML_SUCCESS;
+        values[i].valueType = 3; /* unsigned long long */
+        values[i].value.ull = ULL(dev, f);
+    }
+    return NVML_SUCCESS;
+}
+
 /* ---- events ----------------------------------------------------------------------------------------------- */
 
 typedef struct {

@@ -27,6 +27,10 @@ gpus 8
 0   1 retired_sbe 2
 0   4 nvlinks 0                     # a PCIe card without NVLink
 0   0 nvlinks_down 2
+0   0 nvlink_crc_flit 5             # NVLink totals through field values...
+0   0 nvlink_crc_data 2
+0   5 error nvmlDeviceGetFieldValues 13        # ...or, where NVML lacks them, summed over the links
+0   5 nvlink_replay 4
 """
 
 
@@ -119,6 +123,9 @@ def test_an_unsupported_field_is_null_with_its_reason(run: dict[str, Any]) -> No
 def test_it_reads_nvlink_and_pcie_links(run: dict[str, Any]) -> None:
     sample = gpu(run["batches"][-1], 0)
     assert (sample["nvlink_links_up"], sample["nvlink_links_total"]) == (16, 18)
+    assert (sample["nvlink_crc_errors_total"], sample["nvlink_replay_errors_total"]) == (7, 0)
+    per_link = gpu(run["batches"][-1], 5)
+    assert (per_link["nvlink_crc_errors_total"], per_link["nvlink_replay_errors_total"]) == (0, 4)
     assert (sample["pcie_gen"], sample["pcie_gen_max"], sample["pcie_width"], sample["pcie_width_max"]) == \
         (5, 5, 16, 16)
     pcie_card = gpu(run["batches"][-1], 4)
