@@ -50,7 +50,7 @@ class Agent:
         next_t = time.monotonic()
         try:
             while not self.stop_event.is_set():
-                self.tick(time.time())
+                self._tick_safely(time.time())
                 next_t += interval
                 now = time.monotonic()
                 if now - next_t > interval:
@@ -61,6 +61,16 @@ class Agent:
             for status in self.statuses:
                 registry.close(status)
             self.spool.close()
+
+    def _tick_safely(self, now: float) -> None:
+        try:
+            self.tick(now)
+        except Exception as exc:  # the spool's disk is full or gone: keep sampling, say it once per kind
+            self.drops_total["spool_error"] = self.drops_total.get("spool_error", 0) + 1
+            kind = type(exc).__name__
+            if kind not in self._failed_sources:
+                self._failed_sources.add(kind)
+                log.exception("cannot spool this interval's batch (%s); it is lost, the agent carries on", exc)
 
     def tick(self, now: float) -> list[int]:
         """Collect one interval and spool it as one batch (or several, if it is too large); returns the seqs."""

@@ -187,14 +187,21 @@ class Sender:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            item = self.spool.oldest()
-            if item is None:
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            delay = self.deliver(item)
+            try:
+                delay = self._step()
+            except Exception:  # a bug or a broken spool must not silently end delivery for good
+                log.exception("delivery failed unexpectedly; retrying after a backoff")
+                delay = self.backoff.next()
             if delay:
                 self._stop.wait(delay)
+
+    def _step(self) -> float:
+        item = self.spool.oldest()
+        if item is None:
+            self._wake.wait()
+            self._wake.clear()
+            return 0.0
+        return self.deliver(item)
 
     def deliver(self, item: Spooled) -> float:
         """Send one batch and act on the answer; returns how long to wait before the next attempt."""
