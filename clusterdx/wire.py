@@ -283,13 +283,13 @@ class Batch(Record):
     # The cluster this producer believes it reports to; a token of another cluster is refused (403) instead of
     # silently mixing two clusters' data.
     cluster: Ident | None = None
-    gpus: Annotated[list[GpuSample], Len(4096)] = []  # noqa: RUF012 - defaults are copied by the validator
-    hosts: Annotated[list[HostSample], Len(256)] = []  # noqa: RUF012
-    ports: Annotated[list[PortSample], Len(1024)] = []  # noqa: RUF012
-    events: Annotated[list[Event], Len(10000)] = []  # noqa: RUF012
-    steps: Annotated[list[Step], Len(20000)] = []  # noqa: RUF012
-    probes: Annotated[list[Probe], Len(4096)] = []  # noqa: RUF012
-    runs: Annotated[list[RunMeta], Len(1024)] = []  # noqa: RUF012
+    gpus: Annotated[list[GpuSample], Len(4096)] = []
+    hosts: Annotated[list[HostSample], Len(256)] = []
+    ports: Annotated[list[PortSample], Len(1024)] = []
+    events: Annotated[list[Event], Len(10000)] = []
+    steps: Annotated[list[Step], Len(20000)] = []
+    probes: Annotated[list[Probe], Len(4096)] = []
+    runs: Annotated[list[RunMeta], Len(1024)] = []
     # Records the producer had to drop (spool bound, hook queue full), by reason; reported, never hidden.
     dropped: Annotated[dict[str, Count], Len(16)] | None = None
 
@@ -303,9 +303,9 @@ class HookDatagram(Record):
     v: Literal[1]
     host: Hostname
     pid: Annotated[int, Range(ge=0, le=2**31)]
-    steps: Annotated[list[Step], Len(1000)] = []  # noqa: RUF012
-    runs: Annotated[list[RunMeta], Len(64)] = []  # noqa: RUF012
-    events: Annotated[list[Event], Len(1000)] = []  # noqa: RUF012
+    steps: Annotated[list[Step], Len(1000)] = []
+    runs: Annotated[list[RunMeta], Len(64)] = []
+    events: Annotated[list[Event], Len(1000)] = []
     dropped: Annotated[dict[str, Count], Len(16)] | None = None
 
 
@@ -444,7 +444,7 @@ def _compile(tp: Any) -> Check:
 
         return _bounded(listed, meta)
     if origin is dict:
-        key_tp, val_tp = typing.get_args(tp)
+        _, val_tp = typing.get_args(tp)
         key = _bounded(_check_str, [Len(128, 1)])
         val = _compile(val_tp)
 

@@ -7,6 +7,7 @@ Redis for the channel layer, the Celery broker and the live state.
 
 from __future__ import annotations
 
+import os
 import secrets
 from pathlib import Path
 
@@ -50,6 +51,7 @@ INSTALLED_APPS = [
     "dashboard.web",
     "dashboard.api",
     "dashboard.diagnosis",
+    "dashboard.doctor",
 ]
 
 MIDDLEWARE = [
@@ -83,6 +85,7 @@ TEMPLATES = [
 DATABASE_URL = env_str("DATABASE_URL")
 if DATABASE_URL:
     DATABASES = {"default": database_from_url(DATABASE_URL)}
+    DATABASES["default"]["TEST"] = {"NAME": f"test_{DATABASES['default']['NAME']}_{os.getpid()}"}
 else:
     DATA_DIR.mkdir(parents=True, exist_ok=True)
     DATABASES = {
@@ -96,7 +99,9 @@ else:
                 "transaction_mode": "IMMEDIATE",
                 "timeout": 30,
             },
-            "TEST": {"NAME": str(DATA_DIR / "test-clusterdx.sqlite3")},
+            # A file (not :memory:) so servers in threads and subprocesses of the tests see the same data; one per
+            # test process so concurrent runs on one machine never share it.
+            "TEST": {"NAME": str(DATA_DIR / f"test-clusterdx-{os.getpid()}.sqlite3")},
         }
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

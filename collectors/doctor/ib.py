@@ -72,10 +72,8 @@ class IbFacts:
     def feed(self, line: str) -> bool:
         if not line.strip():
             return False
-        for handler in (self._tool_head, self._sysfs, self._perf, self._qerr, self._port_head, self._kv):
-            if handler(line):
-                return True
-        return False
+        # First handler that claims the line wins; the order goes from the most to the least specific shape.
+        return any(h(line) for h in (self._tool_head, self._sysfs, self._perf, self._qerr, self._port_head, self._kv))
 
     def _tool_head(self, line: str) -> bool:
         m = _CA_RE.match(line) or _HCA_RE.match(line)

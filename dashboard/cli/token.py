@@ -24,8 +24,8 @@ def main(args: argparse.Namespace) -> int:
     from dashboard.telemetry.models import Cluster, IngestToken
 
     if args.action == "create":
-        from django.core.validators import validate_slug
         from django.core.exceptions import ValidationError
+        from django.core.validators import validate_slug
 
         try:
             validate_slug(args.cluster)

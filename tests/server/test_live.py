@@ -54,7 +54,7 @@ def test_it_pushes_an_ingested_step_to_the_run_page_socket(asgi_server: AsgiServ
             assert frame["type"] == "delta"
             seen_steps += frame.get("steps", [])
             seen_gpus += frame.get("gpus", [])
-        assert [2, 0] == seen_steps[0][:2] and seen_steps[0][STEP_ROW.index("data_wait_s")] == 0.42
+        assert seen_steps[0][:2] == [2, 0] and seen_steps[0][STEP_ROW.index("data_wait_s")] == 0.42
         assert any(g[0] == "node-000" and g[1] == 0 and g[GPU_ROW.index("util_gpu_pct")] == 7.5 for g in seen_gpus)
 
 
