@@ -54,6 +54,7 @@ class Monitor:
         self.timer = StepTimer(self.run, self._ident.rank, self._emit_step)
         self.timer.step = start_step
         self.timer.on_nonfinite = self._nonfinite
+        self.shipper.before_close = self._drain
         self._device_choice = device
         self._device: Any = None  # the torch CUDA device once chosen; None means host timing
         self._started = False
@@ -110,7 +111,7 @@ class Monitor:
         return self._comm_ctx
 
     def log(self, **values: Any) -> None:
-        """Loss, grad norm, learning rate...: attached to the current step (or the next, between steps).
+        """Loss, grad norm, learning rate...: attached to the open step, or between steps to the one that ended.
 
         Tensors are fine: a CUDA tensor is copied to the host without blocking and read once its step's events
         are done, so logging a loss adds no synchronize."""
@@ -174,15 +175,18 @@ class Monitor:
                 "transport": self.shipper.config.mode}
 
     def flush(self, timeout: float = 2.0) -> bool:
+        """Ships the steps held for late metrics (those whose GPU events are done) and everything queued."""
+        self.timer.poll()
         return self.shipper.flush(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Ships pending steps (waiting for their GPU events: training is over) and what is queued."""
-        try:
-            self.timer.poll(force=True)
-        except Exception as exc:  # a dead CUDA context at exit must not raise
-            self.shipper.warn_once("close", f"clusterdx hooks: pending steps lost at close: {exc!r}")
+        """Ships pending steps (waiting for their GPU events: training is over) and what is queued.
+
+        Runs by itself at interpreter exit; call it earlier to bound when the last records leave."""
         self.shipper.close(timeout)
+
+    def _drain(self) -> None:
+        self.timer.poll(force=True)
 
     def __enter__(self) -> Monitor:
         return self

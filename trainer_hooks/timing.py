@@ -17,7 +17,8 @@ A step's window starts when the loop asks for its batch and ends when the step b
 Body, phases and collectives are measured with a *clock*: on the CPU ``perf_counter``; on CUDA, events recorded
 on the current stream and read only once :meth:`CudaClock.ready` says the GPU got there — a step or two later,
 so the hook never synchronizes. Steps whose events are not done after ``max_pending`` steps are shipped without
-GPU timings instead of waiting.
+GPU timings instead of waiting. Every finished step is held until the next one begins, so metrics logged after
+the step body (a loss read after the ``with`` block, HF's ``on_log``) still join their step.
 """
 
 from __future__ import annotations
@@ -161,6 +162,8 @@ class StepTimer:
     def begin(self, step: int | None = None, tokens: int | None = None, samples: int | None = None) -> None:
         if self._open:  # a step that never ended (an exception between begin and end): forget it
             self._reset()
+        if self._pending:
+            self.poll()
         self._open = True
         self._step_args = (step, tokens, samples)
         self._begin_host = now = perf_counter()
@@ -191,11 +194,8 @@ class StepTimer:
         )
         self._open = False
         self._phases, self._comms, self._metrics = [], [], {}
-        if not clock.deferred:
-            self._emit(self._record(done, timed=True))
-            return
+        # Held until the next begin(): what is logged after the step (loss.item(), HF's on_log) still joins it.
         self._pending.append(done)
-        self.poll()
 
     def abort(self) -> None:
         """The step raised: it is not a step the server should average over."""
@@ -242,8 +242,11 @@ class StepTimer:
         comms.append((start, self.clock.mark()))
 
     def log(self, values: dict[str, Any]) -> None:
-        """Metrics for the current step, or for the next one when no step is open."""
-        self._metrics.update(values)
+        """Metrics for the open step; between steps, for the step that just ended (the next one before any)."""
+        if not self._open and self._pending:
+            self._pending[-1].metrics.update(values)
+        else:
+            self._metrics.update(values)
 
     def set_memory_probe(self, probe: Callable[[], tuple[int | None, int | None]] | None) -> None:
         self._mem = probe

@@ -34,6 +34,7 @@ import urllib.error
 import urllib.request
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +126,8 @@ class Shipper:
         self._sock: socket.socket | None = None
         self._agent_down_until = 0.0
         self._warned: set[str] = set()
+        # Called first thing in close(), at exit too: the Monitor hands over the steps it still holds.
+        self.before_close: Callable[[], None] | None = None
         for problem in config.problems:
             self.warn_once(problem, problem)
         _LIVE.add(self)
@@ -165,6 +168,11 @@ class Shipper:
         if self._off or os.getpid() != self.pid:
             return
         timeout = self.config.exit_timeout if timeout is None else timeout
+        if self.before_close is not None:
+            try:
+                self.before_close()
+            except Exception as exc:  # a dead CUDA context at exit must not raise
+                self.warn_once("before_close", f"clusterdx hooks: pending steps lost at close: {exc!r}")
         thread = self._thread
         if thread is None:
             if not self._queue:

@@ -42,6 +42,7 @@ def gradients_match(rank: int) -> dict[str, object]:
     timer.begin()
     torch.nn.functional.mse_loss(hooked(x), y).backward()
     timer.end()
+    timer.poll()
     pairs = list(zip(plain.parameters(), hooked.parameters(), strict=True))
     return {
         "bitwise": all(torch.equal(a.grad, b.grad) for a, b in pairs),

@@ -90,6 +90,7 @@ def test_it_posts_batches_to_the_server_when_no_agent_listens(ingest, hook_env, 
     mon = Monitor(run="direct", interval=0.02)
     for chunk in range(3):
         train(mon, 10)
+        mon.flush()  # also releases the last step, held for metrics logged after it
         assert wait_for(lambda chunk=chunk: len(ingest.records("steps")) == 10 * (chunk + 1))
     mon.close()
     assert [s["step"] for s in ingest.records("steps")] == list(range(30))
@@ -108,7 +109,8 @@ def test_it_counts_server_unreachable_after_bounded_retries(hook_env):
     hook_env.setenv("CLUSTERDX_TOKEN", "t")
     mon = Monitor(run="server-gone", transport="server", interval=0.02)
     wall = train(mon, 50)
-    assert wait_for(lambda: mon.stats()["dropped"].get("server_unreachable") == 51, timeout=5)
+    mon.flush(timeout=5)
+    assert mon.stats()["dropped"].get("server_unreachable") == 51
     started = time.monotonic()
     mon.close()
     assert wall < 1.0 and time.monotonic() - started < 2.5
@@ -145,8 +147,8 @@ def test_a_full_queue_drops_counts_and_reports(udp_agent, hook_env):
     hook_env.setenv("CLUSTERDX_AGENT_ADDR", udp_agent.addr)
     mon = Monitor(run="full", queue_size=5, interval=30)  # the shipper will not wake before close()
     wall = train(mon, 20)
-    assert mon.stats()["dropped"] == {"queue_full": 16}  # 1 run record + 4 steps fit
     mon.close()
+    assert mon.stats()["dropped"] == {"queue_full": 16}  # 1 run record + 4 steps fit
     assert wall < 0.5
     assert wait_for(lambda: len(udp_agent.records("steps")) == 4)
     assert [s["step"] for s in udp_agent.records("steps")] == [0, 1, 2, 3]
@@ -167,6 +169,7 @@ def test_a_forked_child_neither_ships_nor_hangs(udp_agent, hook_env):
     hook_env.setenv("CLUSTERDX_AGENT_ADDR", udp_agent.addr)
     mon = Monitor(run="fork", interval=0.01)
     train(mon, 3)
+    mon.flush()
     assert wait_for(lambda: len(udp_agent.records("steps")) == 3)
     pid = os.fork()
     if pid == 0:  # the child: uses the monitor as a confused DataLoader worker might, then exits
