@@ -130,7 +130,7 @@ class Monitor:
         if path:
             event["data"] = {"path": os.fspath(path)[:1024]}
         self.shipper.put("events", event)
-        self._meta_dirty = True
+        self._send_meta()  # now, not at the next step's end: the last checkpoint often comes after the last step
 
     # -- what the run is -------------------------------------------------------------------------------------------
     def watch(self, model: Any) -> None:
