@@ -16,6 +16,7 @@ app.autodiscover_tasks()
 # name -> (task path, seconds). Beat reads it in production; the embedded scheduler reads the same table.
 SCHEDULE: dict[str, tuple[str, float]] = {
     "retention": ("dashboard.telemetry.tasks.purge_old_samples", 600.0),
+    "alerts-sweep": ("dashboard.alerts.tasks.sweep", 1.0),
 }
 
 

@@ -52,6 +52,7 @@ INSTALLED_APPS = [
     "dashboard.api",
     "dashboard.diagnosis",
     "dashboard.doctor",
+    "dashboard.alerts",
 ]
 
 MIDDLEWARE = [

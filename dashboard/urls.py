@@ -8,4 +8,5 @@ urlpatterns = [
     path("", include("dashboard.api.urls")),
     path("doctor/", include("dashboard.doctor.urls")),
     path("", include("dashboard.web.urls")),
+    path("", include("dashboard.alerts.urls")),
 ]
