@@ -165,14 +165,16 @@ class Shipper:
         return not self._queue and not self._busy
 
     def close(self, timeout: float | None = None) -> None:
-        if self._off or os.getpid() != self.pid:
+        if os.getpid() != self.pid:
             return
-        timeout = self.config.exit_timeout if timeout is None else timeout
         if self.before_close is not None:
             try:
                 self.before_close()
             except Exception as exc:  # a dead CUDA context at exit must not raise
                 self.warn_once("before_close", f"clusterdx hooks: pending steps lost at close: {exc!r}")
+        if self._off:
+            return
+        timeout = self.config.exit_timeout if timeout is None else timeout
         thread = self._thread
         if thread is None:
             if not self._queue:
