@@ -219,8 +219,9 @@ class SimCluster:
 
     def _probes(self, now: float, n: int) -> list[dict[str, Any]]:
         peers = [p for p in range(self.s.nodes) if p != n]
-        if len(peers) > 8:  # pingmesh: a rotating sample in a large cluster
-            k = int(now) % len(peers)
+        if len(peers) > 8:  # pingmesh: a rotating sample in a large cluster, staggered per node (as the real
+            # probe source does) so every node is probed by about eight peers every second, not all at once
+            k = (int(now) + 8 * n) % len(peers)
             peers = (peers[k:] + peers[:k])[:8]
         out = []
         for p in peers:

@@ -1,0 +1,77 @@
+"""Detectors: pure functions over a :class:`~dashboard.diagnosis.detectors.window.Window` (numpy arrays of a recent
+time window), one per finding kind. No database and no Django here, so they are tested and benchmarked directly.
+
+:func:`run_all` runs them in the order that lets a root cause silence its consequences: a dead node or a GPU that
+fell off the bus stalls the whole run, so the run is not also reported hung; a throttled GPU that makes its rank
+the straggler is reported once, as the straggler, with the throttle as the evidence.
+"""
+
+from __future__ import annotations
+
+from dashboard.diagnosis.detectors.base import Detection, Thresholds
+from dashboard.diagnosis.detectors.gpu import failing_gpus, throttling
+from dashboard.diagnosis.detectors.nccl import nccl_config
+from dashboard.diagnosis.detectors.network import nodes_down, slow_links
+from dashboard.diagnosis.detectors.steps import checkpoint_risk, efficiency, hang, late_ranks, memory_pressure
+from dashboard.diagnosis.detectors.window import Window
+
+KINDS = ("data_starvation", "straggler", "slow_link", "failing_gpu", "throttling", "node_down", "hang", "nccl_config",
+         "checkpoint_overdue", "memory_pressure", "efficiency")
+
+__all__ = ["KINDS", "Detection", "Thresholds", "Window", "run_all"]
+
+
+def _active_ranks(w: Window) -> tuple[dict[str, list[str]], set[tuple[str, int]]]:
+    """Ranks of runs that stepped in the last minutes: host -> ["run/rankN"], and the (host, GPU) they run on."""
+    on_host: dict[str, list[str]] = {}
+    gpus: set[tuple[str, int]] = set()
+    for run in w.runs:
+        if run.last_step_ts is None or w.now - run.last_step_ts > 600:
+            continue
+        for r, info in sorted(run.ranks.items()):
+            if info.node:
+                on_host.setdefault(info.node, []).append(f"{run.name}/rank{r}")
+                if info.gpu is not None:
+                    gpus.add((info.node, info.gpu))
+    return on_host, gpus
+
+
+def _excused(w: Window, down: list[Detection], gpus: list[Detection]) -> dict[str, str]:
+    """run -> the root cause that explains why it cannot step (so it is not reported hung as well)."""
+    dead_nodes = {d.node: d.subject for d in down}
+    dead_gpus = {(d.node, d.gpu_index): d.subject for d in gpus if d.severity == "critical"}
+    out = {}
+    for run in w.runs:
+        for info in run.ranks.values():
+            cause = dead_nodes.get(info.node) or dead_gpus.get((info.node, info.gpu))
+            if cause:
+                out[run.name] = cause
+                break
+    return out
+
+
+def run_all(w: Window, t: Thresholds | None = None) -> list[Detection]:
+    t = t or Thresholds()
+    ranks_on, rank_gpus = _active_ranks(w)
+    down = nodes_down(w, t, ranks_on)
+    gpus = failing_gpus(w, t)
+    excused = _excused(w, down, gpus)
+    out = down + gpus
+    out += hang(w, t, max(t.silent_min_s, 2.0), excused)
+    late = late_ranks(w, t)
+    out += late
+    straggling = {(d.node, d.gpu_index) for d in late if d.kind == "straggler"}
+    out += [d for d in throttling(w, t, rank_gpus) if (d.node, d.gpu_index) not in straggling]
+    out += memory_pressure(w, t)
+    out += slow_links(w, t, {d.subject for d in down})
+    out += nccl_config(w, t)
+    out += checkpoint_risk(w, t)
+    out += efficiency(w, t)
+    seen: dict[tuple[str, str], Detection] = {}
+    for d in out:
+        seen.setdefault(d.key, d)
+    for d in seen.values():
+        stalled = sorted(r for r, c in excused.items() if c == d.subject)
+        if stalled:
+            d.evidence["stalled_runs"] = stalled
+    return list(seen.values())

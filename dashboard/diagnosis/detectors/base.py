@@ -1,0 +1,133 @@
+"""What a detector returns, the thresholds it uses, and the robust statistics they share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2, "critical": 3}
+
+
+@dataclass
+class Detection:
+    """One true statement about the cluster: kind, exact subject, how bad, the numbers, and what to do."""
+
+    kind: str
+    subject_type: str  # "cluster", "node", "gpu", "rank", "link", "run"
+    subject: str
+    severity: str
+    title: str
+    action: str
+    evidence: dict[str, Any]
+    confidence: float = 0.9
+    node: str | None = None
+    peer_node: str | None = None
+    gpu_index: int | None = None
+    rank: int | None = None
+    run: str | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.kind, self.subject
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Every tunable of the detectors in one place (the server can override them from settings)."""
+
+    # Late ranks (data starvation / straggler): robust z against the cross-rank median, in >= persist of recent steps.
+    z: float = 5.0
+    recent_steps: int = 5
+    persist_steps: int = 3
+    late_min_frac: float = 0.02  # lateness must also be >= this share of the median step time
+    data_share_min: float = 0.05  # a starved rank waits at least this share of its step for data
+    compute_ratio_min: float = 1.04
+    run_starved_share: float = 0.15  # every rank waits this share: the whole run is starved
+    # Hang: no step for this many median steps (and at least min_s) while every agent of the run is alive.
+    hang_steps: float = 5.0
+    hang_min_s: float = 3.0
+    # Node down: silent this long *and* peers lose their probes to it; or silent heartbeat_s alone.
+    silent_min_s: float = 3.0
+    silent_intervals: float = 3.0  # ... or this many of the node's own reporting intervals, if longer
+    heartbeat_s: float = 15.0
+    probe_loss_frac: float = 0.8
+    # Links: a pair is bad when its RTT is rtt_ratio x the cluster's quiet RTT (and rtt_abs_ms above it), it loses
+    # loss_frac of its pings, or its bulk bandwidth is under bw_ratio of the cluster's.
+    rtt_ratio: float = 3.0
+    rtt_abs_ms: float = 0.15
+    loss_frac: float = 0.4
+    bw_ratio: float = 0.7
+    node_bad_frac: float = 0.75
+    link_buckets: int = 3
+    port_error_samples: int = 3
+    # GPU health.
+    sbe_min: int = 10
+    sbe_samples: int = 3
+    pcie_replay_min: int = 100
+    nvlink_errors_min: int = 10
+    # Throttling: SM clock under clock_ratio of max for throttle_s (longer when a rank runs on it: a straggler is
+    # named first when the throttle slows the run).
+    clock_ratio: float = 0.85
+    throttle_s: float = 5.0
+    throttle_with_rank_s: float = 15.0
+    busy_util_pct: float = 50.0
+    # Memory.
+    mem_warn: float = 0.90
+    mem_error: float = 0.95
+    # Checkpoints: overdue past the learned cadence by max(slack_steps, slack_frac x cadence); without a cadence,
+    # after max_age_s.
+    ckpt_slack_steps: int = 5
+    ckpt_slack_frac: float = 0.05
+    ckpt_max_age_s: float = 3600.0
+    gpu_hour_usd: float = 2.5
+    # NCCL.
+    ib_timeout_min: int = 18
+    ib_timeout_scale_ranks: int = 512
+    # Efficiency: a finding only when MFU is known and below this floor (0 disables).
+    mfu_floor: float = 0.02
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def robust_z(x: np.ndarray, axis: int = 0, floor: float | np.ndarray = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """(z, median) along ``axis`` with the MAD scaled to a standard deviation and floored (a MAD of 0 when every
+    rank is identical would make any difference infinite)."""
+    with np.errstate(all="ignore"):
+        med = np.nanmedian(x, axis=axis, keepdims=True)
+        mad = np.nanmedian(np.abs(x - med), axis=axis, keepdims=True) * 1.4826
+        scale = np.maximum(mad, floor)
+        scale = np.where(scale > 0, scale, np.nan)
+        return (x - med) / scale, med
+
+
+def rnd(x: Any, nd: int = 3) -> Any:
+    """Round for evidence (JSON-safe: NaN becomes None)."""
+    if x is None:
+        return None
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return x
+    return None if not np.isfinite(f) else round(f, nd)
+
+
+def group_last(keys: np.ndarray, ts: np.ndarray) -> dict[float, int]:
+    """key -> row index of its newest row."""
+    order = np.lexsort((ts, keys))
+    last = {}
+    k_sorted = keys[order]
+    ends = np.r_[np.nonzero(np.diff(k_sorted))[0], len(order) - 1] if len(order) else []
+    for e in ends:
+        last[float(k_sorted[e])] = int(order[e])
+    return last
+
+
+def groups(keys: np.ndarray) -> dict[float, np.ndarray]:
+    """key -> row indices, in one sort instead of one mask per key."""
+    if len(keys) == 0:
+        return {}
+    order = np.argsort(keys, kind="stable")
+    ks = keys[order]
+    cuts = np.nonzero(np.diff(ks))[0] + 1
+    return {float(k[0]): part for k, part in zip(np.split(ks, cuts), np.split(order, cuts), strict=True)}

@@ -1,0 +1,225 @@
+"""Network and liveness detectors: node down / agent silent, and slow or flapping links.
+
+A network fault shows in the pairwise probes, not in any one rank's timing (the all-reduce slows everyone alike).
+A pair is *bad* when its RTT, loss or bulk bandwidth is far from the cluster's quiet baseline; the node to blame is
+the one common to the bad pairs (nearly all of its pairs bad, in several consecutive probe rounds). When the bad
+pairs share no node, the link between two nodes is named.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dashboard.diagnosis.detectors.base import Detection, Thresholds, groups, rnd
+from dashboard.diagnosis.detectors.window import Window
+
+PORT_ERRORS = ("symbol_error", "link_downed", "link_error_recovery", "port_rcv_errors",
+               "port_rcv_remote_physical_errors", "local_link_integrity_errors", "excessive_buffer_overrun_errors",
+               "port_xmit_discards")
+
+
+# -- node down -----------------------------------------------------------------------------------------------------
+
+def report_interval(w: Window, node: int) -> float:
+    ts = np.unique(np.round(w.gpus["ts"][w.gpus["node"] == node], 1))
+    return float(np.median(np.diff(ts))) if len(ts) >= 3 else 1.0
+
+
+def nodes_down(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) -> list[Detection]:
+    """``ranks_on``: host -> ["run/rankN", ...] of the runs that were stepping (their stop is the damage)."""
+    out = []
+    index = w.node_index()
+    for host, heard in w.last_heard.items():
+        silent = w.now - heard
+        i = index.get(host, -1)
+        limit = max(t.silent_min_s, t.silent_intervals * report_interval(w, i))
+        if silent < limit:
+            continue
+        p = w.probes
+        rows = (p["peer"] == i) & (p["ts"] > heard)
+        sent, lost = float(np.nansum(p["sent"][rows])), float(np.nansum(p["lost"][rows]))
+        peers = len(np.unique(p["node"][rows]))
+        seen_lost = sent > 0 and lost / sent >= t.probe_loss_frac
+        if not seen_lost and silent < t.heartbeat_s:
+            continue
+        ranks = ranks_on.get(host, [])
+        if seen_lost:
+            title = f"{host} is down: silent for {silent:.0f} s and {peers} peer(s) lose {lost / sent:.0%} of probes to it"
+        else:
+            title = f"{host}'s agent is silent for {silent:.0f} s"
+        action = (f"Check the node (IPMI/BMC console, power, kernel panic); {len(ranks)} rank(s) on it stopped"
+                  f"{': ' + ', '.join(ranks[:8]) if ranks else ''} → drain it and restart the run from the last "
+                  "checkpoint without it." if seen_lost or ranks else
+                  "Check the agent (systemctl status clusterdx-agent, its log) and the node's network.")
+        out.append(Detection(
+            "node_down", "node", host, "critical" if ranks else "error", title, action,
+            {"metrics": {"silent_s": rnd(silent, 1), "last_heard": rnd(heard), "probe_loss": rnd(lost / sent) if sent
+                         else None, "probing_peers": peers, "ranks": ranks[:64]},
+             "window": [rnd(heard), rnd(w.now)]},
+            0.97 if seen_lost else 0.8, node=host))
+    return out
+
+
+# -- links ---------------------------------------------------------------------------------------------------------
+
+def _bad_pairs(w: Window, t: Thresholds, down: set[int]) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+    """(rows to use, bad flag per row, baselines)."""
+    p = w.probes
+    use = np.ones(len(p), dtype=bool)
+    for d in down:
+        use &= (p["node"] != d) & (p["peer"] != d)
+    rows = np.nonzero(use)[0]
+    rtt, bw = p["rtt_ms"][rows], p["bw_gbps"][rows]
+    with np.errstate(all="ignore"):
+        base_rtt = float(np.nanpercentile(rtt, 25)) if np.any(~np.isnan(rtt)) else float("nan")
+        base_bw = float(np.nanpercentile(bw, 75)) if np.any(~np.isnan(bw)) else float("nan")
+        loss = p["lost"][rows] / p["sent"][rows]
+        slow = rtt > max(t.rtt_ratio * base_rtt, base_rtt + t.rtt_abs_ms)
+        lossy = loss >= t.loss_frac
+        narrow = bw < t.bw_ratio * base_bw
+    bad = np.nan_to_num(slow, nan=0).astype(bool) | np.nan_to_num(lossy, nan=0).astype(bool)
+    return rows, np.vstack([bad, np.nan_to_num(narrow, nan=0).astype(bool)]), {"rtt_ms": base_rtt, "bw_gbps": base_bw}
+
+
+def _node_bad(w: Window, t: Thresholds, n: int, rows: np.ndarray, bad: np.ndarray) -> dict[str, Any] | None:
+    p = w.probes
+    mine = (p["node"][rows] == n) | (p["peer"][rows] == n)
+    other = np.where(p["node"][rows] == n, p["peer"][rows], p["node"][rows])
+    bucket = np.floor(p["ts"][rows])
+    # RTT / loss: the node's pairs in its last few probe rounds.
+    buckets = np.unique(bucket[mine])[-t.link_buckets:]
+    sel = mine & np.isin(bucket, buckets)
+    hit = None
+    if len(buckets) >= t.link_buckets and sel.sum() >= 3:
+        frac = bad[0][sel].mean()
+        per_bucket = [bad[0][sel & (bucket == b)].mean() for b in buckets]
+        if frac >= t.node_bad_frac and min(per_bucket) >= 0.5 and len(np.unique(other[sel & bad[0]])) >= 2:
+            hit = {"what": "rtt", "bad_frac": frac, "rows": np.nonzero(sel)[0]}
+    # Bandwidth: bulk transfers are rare (one peer per period), so look at the node's last few, wherever they are.
+    has_bw = mine & ~np.isnan(p["bw_gbps"][rows])
+    last_bw = np.nonzero(has_bw)[0][np.argsort(p["ts"][rows][has_bw])][-6:]
+    if hit is None and len(last_bw) >= 2:
+        frac = bad[1][last_bw].mean()
+        if frac >= t.node_bad_frac and len(np.unique(bucket[last_bw][bad[1][last_bw]])) >= 2 and \
+                len(np.unique(other[last_bw])) >= (2 if len(w.nodes) > 2 else 1):
+            hit = {"what": "bw", "bad_frac": frac, "rows": last_bw}
+    return hit
+
+
+def slow_links(w: Window, t: Thresholds, down: set[str]) -> list[Detection]:
+    index = w.node_index()
+    down_i = {index[h] for h in down if h in index}
+    out: dict[str, Detection] = {}
+    if len(w.probes):
+        rows, bad, base = _bad_pairs(w, t, down_i)
+        flagged = {}
+        for n in np.unique(np.concatenate([w.probes["node"][rows], w.probes["peer"][rows]])):
+            if n < 0 or int(n) in down_i:
+                continue
+            hit = _node_bad(w, t, int(n), rows, bad)
+            if hit:
+                flagged[int(n)] = hit
+        if len(flagged) == 2 and len(w.nodes) - len(down_i) <= 2:
+            a, b = sorted(w.nodes[n] for n in flagged)
+            det = _probe_detection(w, rows, flagged[next(iter(flagged))], base, f"{a}~{b}", a, b)
+            out[det.subject] = det
+        else:
+            for n, hit in flagged.items():
+                out[w.nodes[n]] = _probe_detection(w, rows, hit, base, w.nodes[n], w.nodes[n], None)
+    for det in _port_problems(w, t, down):
+        if det.subject in out:
+            _merge(out[det.subject], det)
+        else:
+            out[det.subject] = det
+    return list(out.values())
+
+
+def _probe_detection(w: Window, rows: np.ndarray, hit: dict[str, Any], base: dict[str, float], subject: str,
+                     node: str, peer: str | None) -> Detection:
+    p = w.probes
+    sel = rows[hit["rows"]]
+    rtt, bw = float(np.nanmedian(p["rtt_ms"][sel])), p["bw_gbps"][sel]
+    loss = float(np.nansum(p["lost"][sel]) / max(1.0, float(np.nansum(p["sent"][sel]))))
+    bw_med = float(np.nanmedian(bw)) if np.any(~np.isnan(bw)) else None
+    if hit["what"] == "bw":
+        what = f"bulk bandwidth {bw_med:.2f} Gb/s vs {base['bw_gbps']:.2f} Gb/s elsewhere"
+    elif loss >= 0.2:
+        what = f"{loss:.0%} probe loss, RTT {rtt:.2f} ms"
+    else:
+        what = f"RTT {rtt:.2f} ms vs {base['rtt_ms']:.2f} ms elsewhere"
+    where = f"the link {subject}" if peer else node
+    return Detection(
+        "slow_link", "link" if peer else "node", subject, "error",
+        f"Slow network on {where}: {what}",
+        f"{hit['bad_frac']:.0%} of {where}'s probe pairs are bad in the last rounds ({what}) while the rest of the "
+        "cluster is fine, so the fault is on this node's side → check its NIC and cable, switch port counters and "
+        "errors (ethtool -S, ibdiagnet), MTU and traffic-control settings; cordon it if the collective time of the "
+        "run is hurting.",
+        {"metrics": {"rtt_ms": rnd(rtt), "baseline_rtt_ms": rnd(base["rtt_ms"]), "loss": rnd(loss),
+                     "bw_gbps": rnd(bw_med), "baseline_bw_gbps": rnd(base["bw_gbps"]), "bad_frac": rnd(hit["bad_frac"])},
+         "window": [rnd(np.nanmin(p["ts"][sel])), rnd(np.nanmax(p["ts"][sel]))],
+         "series": {"pairs": [[w.nodes[int(a)] if a >= 0 else None, w.nodes[int(b)] if b >= 0 else None, rnd(r), rnd(c)]
+                              for a, b, r, c in zip(p["node"][sel][:64], p["peer"][sel][:64], p["rtt_ms"][sel][:64],
+                                                    p["bw_gbps"][sel][:64], strict=True)]}},
+        0.9, node=node, peer_node=peer)
+
+
+def _port_problems(w: Window, t: Thresholds, down: set[str]) -> list[Detection]:
+    q = w.ports
+    out = []
+    if not len(q):
+        return out
+    rates = q["rate_gbps"][~np.isnan(q["rate_gbps"])]
+    cluster_rate = float(np.median(rates)) if len(rates) else float("nan")
+    key = q["node"] * 256 + q["port"]
+    for k, idx in groups(key).items():
+        host = w.nodes[int(k // 256)]
+        if host in down:
+            continue
+        idx = idx[np.argsort(q["ts"][idx])]
+        det = _port_detection(w, t, host, idx, cluster_rate)
+        if det is not None:
+            out.append(det)
+    return out
+
+
+def _port_detection(w: Window, t: Thresholds, host: str, idx: np.ndarray, cluster_rate: float) -> Detection | None:
+    q = w.ports
+    states = [s for s in q["state"][idx] if s]
+    counters = [c or {} for c in q["counters"][idx]]
+    errs = np.array([sum(int(c.get(k, 0) or 0) for k in PORT_ERRORS) for c in counters])
+    downed = sum(int(c.get("link_downed", 0) or 0) for c in counters)
+    active = [s.upper().endswith("ACTIVE") for s in states]
+    device = f"{q['device'][idx[-1]]}:{q['port'][idx[-1]]:.0f}"
+    rate = q["rate_gbps"][idx]
+    problems = []
+    if downed or (any(active) and not all(active)):
+        problems.append(("error", f"IB port {device} flapping: went down {max(downed, 1)} time(s)"))
+    if (errs > 0).sum() >= t.port_error_samples:
+        problems.append(("warning", f"IB port {device}: {int(errs.sum())} link errors in {len(idx)} samples"))
+    if np.isfinite(cluster_rate) and (rate < 0.9 * cluster_rate).sum() >= 3:
+        problems.append(("warning", f"IB port {device} runs at {np.nanmin(rate):.0f} of {cluster_rate:.0f} Gb/s"))
+    if not problems:
+        return None
+    problems.sort(key=lambda p: p[0] != "error")
+    totals = {k: sum(int(c.get(k, 0) or 0) for c in counters) for k in PORT_ERRORS}
+    return Detection(
+        "slow_link", "node", host, problems[0][0], f"Flaky network on {host}: {problems[0][1]}",
+        "; ".join(p[1] for p in problems) + " → reseat or replace the cable/transceiver, check the switch port "
+        "(ibdiagnet, ibqueryerrors), and cordon the node while the link keeps retraining.",
+        {"metrics": {"port": device, "errors": {k: v for k, v in totals.items() if v},
+                     "states": sorted(set(states)), "rate_gbps": rnd(np.nanmin(rate) if len(rate) else None)},
+         "window": [rnd(q["ts"][idx[0]]), rnd(q["ts"][idx[-1]])],
+         "series": {"ts": [rnd(v) for v in q["ts"][idx]], "errors": errs.tolist()}},
+        0.9, node=host)
+
+
+def _merge(into: Detection, other: Detection) -> None:
+    from dashboard.diagnosis.detectors.base import SEVERITY_RANK
+
+    if SEVERITY_RANK[other.severity] > SEVERITY_RANK[into.severity]:
+        into.severity = other.severity
+    into.action += " Also: " + other.title + "."
+    into.evidence.setdefault("ports", other.evidence)

@@ -1,0 +1,448 @@
+"""Detectors over the training steps: late ranks (data starvation or straggler), memory pressure, hang, checkpoint
+risk and the efficiency figures.
+
+Under DDP every rank's *step time* is the same (the all-reduce levels them), so none of these compare step times
+across ranks: the culprit shows in its own data wait or compute and in when it arrives at the first collective
+(``comm_arrive_s``); the others show it as time waiting in the collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dashboard.diagnosis.detectors.base import Detection, Thresholds, rnd, robust_z
+from dashboard.diagnosis.detectors.gpu import gpu_state
+from dashboard.diagnosis.detectors.window import RunInfo, Window
+
+
+@dataclass
+class RunSteps:
+    """One run's recent steps as [rank x step] matrices (NaN where a rank's row has not arrived)."""
+
+    run: RunInfo
+    ranks: np.ndarray
+    steps: np.ndarray
+    m: dict[str, np.ndarray]
+
+    @property
+    def step_med(self) -> float:
+        return float(np.nanmedian(self.m["step_time_s"]))
+
+
+def run_steps(w: Window, run_index: int, cols: tuple[str, ...], last: int) -> RunSteps | None:
+    t = w.steps
+    rows = np.nonzero(t["run"] == run_index)[0]
+    if len(rows) == 0:
+        return None
+    step = t["step"][rows]
+    top = np.nanmax(step)
+    keep = rows[step > top - last - 1]
+    ranks, r_idx = np.unique(t["rank"][keep], return_inverse=True)
+    steps, s_idx = np.unique(t["step"][keep], return_inverse=True)
+    m = {}
+    for c in ("step_time_s", "ts", *cols):
+        mat = np.full((len(ranks), len(steps)), np.nan)
+        mat[r_idx, s_idx] = t[c][keep]
+        m[c] = mat
+    # The newest step is often still arriving (one node's batch is in, another's is not): keep a column only when
+    # most ranks have it, so a half-reported step never decides anything.
+    have = np.sum(~np.isnan(m["step_time_s"]), axis=0)
+    full = have >= max(1, 0.5 * len(ranks))
+    if not full.any():
+        return None
+    return RunSteps(w.runs[run_index], ranks, steps[full], {c: v[:, full] for c, v in m.items()})
+
+
+def _persistent(flags: np.ndarray, present: np.ndarray, recent: int, persist: int) -> np.ndarray:
+    """Rows flagged in >= persist of their last ``recent`` reported steps, including the newest one they reported."""
+    out = np.zeros(flags.shape[0], dtype=bool)
+    for i in np.nonzero(flags.any(axis=1))[0]:
+        cols = np.nonzero(present[i])[0][-recent:]
+        f = flags[i, cols]
+        out[i] = len(cols) >= persist and f.sum() >= persist and bool(f[-1])
+    return out
+
+
+# -- late ranks ------------------------------------------------------------------------------------------------
+
+def late_ranks(w: Window, t: Thresholds) -> list[Detection]:
+    out: list[Detection] = []
+    for ri, run in enumerate(w.runs):
+        rs = run_steps(w, ri, ("data_wait_s", "compute_s", "comm_arrive_s", "comm_s"), t.recent_steps + 3)
+        if rs is None or len(rs.ranks) < 3:  # with two ranks there is no majority to be late against
+            if rs is not None:
+                out += _run_starved(w, rs, t)
+            continue
+        out += _late_in_run(w, rs, t) or _run_starved(w, rs, t)
+    return out
+
+
+def _late_in_run(w: Window, rs: RunSteps, t: Thresholds) -> list[Detection]:
+    m, med_step = rs.m, rs.step_med
+    data, comp = m["data_wait_s"], m["compute_s"]
+    arrive = np.where(np.isnan(m["comm_arrive_s"]), data + comp, m["comm_arrive_s"])
+    present = ~np.isnan(m["step_time_s"])
+    with np.errstate(all="ignore"):
+        lz, amed = robust_z(arrive, 0, floor=0.005 * med_step)
+        late = (lz > t.z) & (arrive - amed > t.late_min_frac * med_step)
+        dz, dmed = robust_z(data, 0, floor=0.005 * med_step)
+        starved = (dz > t.z) & (data / m["step_time_s"] >= t.data_share_min)
+        cz, cmed = robust_z(comp, 0, floor=0.01 * np.nanmedian(comp))
+        slow = (cz > t.z) & (comp >= t.compute_ratio_min * cmed)
+    flags = np.nan_to_num(late | starved | slow, nan=0).astype(bool) & present
+    out = []
+    for i in np.nonzero(_persistent(flags, present, t.recent_steps, t.persist_steps))[0]:
+        cols = np.nonzero(flags[i])[0]
+        ddata = float(np.nansum(data[i, cols] - dmed[0, cols]))
+        dcomp = float(np.nansum(comp[i, cols] - cmed[0, cols]))
+        z = float(np.nanmax(np.nan_to_num(np.vstack([lz[i, cols], dz[i, cols], cz[i, cols]]), nan=0)))
+        kind = "data_starvation" if ddata >= dcomp else "straggler"
+        build = _starved_rank if kind == "data_starvation" else _straggler_rank
+        out.append(build(w, rs, i, cols, z, t))
+    return out
+
+
+def _rank_subject(run: str, rank: int) -> str:
+    return f"{run}/rank{rank}"
+
+
+def _series(rs: RunSteps, i: int, col: str) -> dict[str, Any]:
+    med = np.nanmedian(rs.m[col], axis=0)
+    return {"step": rs.steps.astype(int).tolist(), "rank": [rnd(v) for v in rs.m[col][i]],
+            "median": [rnd(v) for v in med]}
+
+
+def _window(rs: RunSteps) -> list[float]:
+    ts = rs.m["ts"]
+    return [rnd(np.nanmin(ts - rs.m["step_time_s"]), 3), rnd(np.nanmax(ts), 3)]
+
+
+def _confidence(z: float, flagged: int, recent: int) -> float:
+    return round(min(0.99, 0.55 + 0.05 * min(z, 8.0)) * min(1.0, 0.6 + 0.1 * flagged), 2) if recent else 0.5
+
+
+def _starved_rank(w: Window, rs: RunSteps, i: int, cols: np.ndarray, z: float, t: Thresholds) -> Detection:
+    rank = int(rs.ranks[i])
+    info = rs.run.ranks.get(rank)
+    data, step = rs.m["data_wait_s"][i, cols], rs.m["step_time_s"][i, cols]
+    share = float(np.nanmedian(data / step))
+    others = float(np.nanmedian(rs.m["data_wait_s"][:, cols]))
+    metrics: dict[str, Any] = {"data_wait_s": rnd(np.nanmedian(data)), "data_wait_share": rnd(share),
+                               "median_data_wait_s": rnd(others), "z": rnd(z, 1),
+                               "steps_flagged": f"{len(cols)}/{min(t.recent_steps, rs.m['ts'].shape[1])}"}
+    dl = (info.meta.get("dataloader") or {}) if info else {}
+    nfs = _nfs_for(w, info.node if info else None, dl.get("dataset_path"))
+    cpu = (w.hosts.get(info.node) or {}).get("cpu_pct") if info and info.node else None
+    metrics.update({"dataloader": dl or None, "nfs": nfs, "host_cpu_pct": rnd(cpu, 1)})
+    sev = "error" if share >= 0.25 else "warning"
+    return Detection(
+        "data_starvation", "rank", _rank_subject(rs.run.name, rank), sev,
+        f"Rank {rank} waits {share:.0%} of each step for data",
+        _starvation_action(rank, share, dl, nfs, cpu),
+        {"metrics": metrics, "window": _window(rs), "series": {"data_wait_s": _series(rs, i, "data_wait_s")}},
+        _confidence(z, len(cols), t.recent_steps), node=info.node if info else None,
+        gpu_index=info.gpu if info else None, rank=rank, run=rs.run.name)
+
+
+def _nfs_for(w: Window, host: str | None, path: str | None) -> dict[str, Any] | None:
+    mounts = (w.hosts.get(host) or {}).get("nfs") or [] if host else []
+    best = None
+    for m in mounts:
+        mp = m.get("mount") or ""
+        if path and path.startswith(mp.rstrip("/") + "/") and (best is None or len(mp) > len(best["mount"])):
+            best = m
+    return {"mount": best["mount"], "rtt_ms": rnd(best.get("rtt_ms"), 2), "exe_ms": rnd(best.get("exe_ms"), 2)} \
+        if best else None
+
+
+def _starvation_action(rank: int, share: float, dl: dict[str, Any], nfs: dict[str, Any] | None,
+                       cpu: float | None) -> str:
+    facts, todo = [], []
+    nw = dl.get("num_workers")
+    if nw is not None:
+        facts.append(f"num_workers={nw}")
+        if nw < 8:
+            todo.append(f"raise num_workers (now {nw}) toward the CPU cores per GPU")
+    if dl.get("pin_memory") is False:
+        facts.append("pin_memory=False")
+        todo.append("set pin_memory=True")
+    if dl.get("persistent_workers") is False and nw:
+        todo.append("set persistent_workers=True so workers survive each epoch")
+    if dl.get("prefetch_factor") is not None and dl["prefetch_factor"] < 4:
+        facts.append(f"prefetch_factor={dl['prefetch_factor']}")
+        todo.append("raise prefetch_factor")
+    if nfs is not None:
+        facts.append(f"dataset on NFS mount {nfs['mount']} with {nfs['rtt_ms']} ms RTT")
+        if (nfs.get("rtt_ms") or 0) >= 5:
+            todo.append("stage the data on local NVMe (the NFS server is slow)")
+        else:
+            todo.append("consider staging the data on local NVMe")
+    if cpu is not None and cpu >= 90:
+        facts.append(f"host CPU {cpu:.0f}% busy")
+        todo.append("free CPU on the node (other processes compete with the loader workers)")
+    if not todo:
+        todo.append("profile the input pipeline of this rank (decode, augmentation, storage) and compare its "
+                    "node with the others")
+    head = f"Rank {rank} waits {share:.0%} of each step for data"
+    return f"{head}; {', '.join(facts)} → {'; '.join(todo)}." if facts else f"{head} → {'; '.join(todo)}."
+
+
+def _straggler_rank(w: Window, rs: RunSteps, i: int, cols: np.ndarray, z: float, t: Thresholds) -> Detection:
+    rank = int(rs.ranks[i])
+    info = rs.run.ranks.get(rank)
+    comp = rs.m["compute_s"][i, cols]
+    med = float(np.nanmedian(rs.m["compute_s"][:, cols]))
+    slower = float(np.nanmedian(comp)) / med - 1 if med > 0 else float("nan")
+    gpu = gpu_state(w, info.node, info.gpu) if info and info.node is not None and info.gpu is not None else None
+    metrics = {"compute_s": rnd(np.nanmedian(comp)), "median_compute_s": rnd(med), "slower_frac": rnd(slower),
+               "z": rnd(z, 1), "gpu": gpu, "steps_flagged": len(cols)}
+    where = f" on {info.node} GPU {info.gpu}" if info and info.node is not None and info.gpu is not None else ""
+    title = (f"Rank {rank}{where} computes {slower:.0%} slower than the other ranks"
+             if np.isfinite(slower) and slower > 0 else f"Rank {rank}{where} arrives late at every all-reduce")
+    return Detection(
+        "straggler", "rank", _rank_subject(rs.run.name, rank), "error" if slower >= 0.2 else "warning", title,
+        _straggler_action(rank, gpu),
+        {"metrics": metrics, "window": _window(rs), "series": {"compute_s": _series(rs, i, "compute_s"),
+                                                                "comm_arrive_s": _series(rs, i, "comm_arrive_s")}},
+        _confidence(z, len(cols), t.recent_steps), node=info.node if info else None,
+        gpu_index=info.gpu if info else None, rank=rank, run=rs.run.name)
+
+
+def _straggler_action(rank: int, gpu: dict[str, Any] | None) -> str:
+    if gpu and gpu.get("reasons"):
+        reasons = set(gpu["reasons"])
+        why = f"its GPU runs at {gpu['clock_ratio']:.0%} of max SM clock ({', '.join(sorted(reasons))}"
+        why += f", {gpu['temp_c']:.0f} °C)" if gpu.get("temp_c") is not None else ")"
+        if any("thermal" in r for r in reasons):
+            fix = "check the node's cooling (fans, inlet temperature, blocked airflow) and drain it if it stays hot"
+        elif any("power" in r for r in reasons):
+            fix = "check the power cap (nvidia-smi -q -d POWER) and the PSU/rack power budget"
+        else:
+            fix = "check clocks and application clock settings on that GPU"
+        return f"Rank {rank} is the straggler: {why} → {fix}; every other rank waits for it in each all-reduce."
+    if gpu and gpu.get("clock_ratio") is not None and gpu["clock_ratio"] < 0.9:
+        return (f"Rank {rank} is the straggler: its GPU runs at {gpu['clock_ratio']:.0%} of max SM clock without a "
+                "throttle reason → check application clocks (nvidia-smi -q -d CLOCK) and reset them.")
+    return (f"Rank {rank} is the straggler and its GPU looks healthy → look for CPU contention or another process "
+            "on that GPU (nvidia-smi), an unbalanced shard of the data, or a slower GPU model on that node.")
+
+
+def _run_starved(w: Window, rs: RunSteps, t: Thresholds) -> list[Detection]:
+    with np.errstate(all="ignore"):
+        share = np.nanmedian(rs.m["data_wait_s"] / rs.m["step_time_s"], axis=0, keepdims=True)
+    present = ~np.isnan(share)
+    if not _persistent(np.nan_to_num(share >= t.run_starved_share, nan=0).astype(bool), present,
+                       t.recent_steps, t.persist_steps)[0]:
+        return []
+    s = float(np.nanmedian(share[0, -t.recent_steps:]))
+    dl = next((r.meta.get("dataloader") for r in rs.run.ranks.values() if r.meta.get("dataloader")), {}) or {}
+    any_node = next((r.node for r in rs.run.ranks.values() if r.node), None)
+    nfs = _nfs_for(w, any_node, dl.get("dataset_path"))
+    return [Detection(
+        "data_starvation", "run", rs.run.name, "error" if s >= 0.3 else "warning",
+        f"Every rank of {rs.run.name} waits {s:.0%} of each step for data",
+        _starvation_action(-1, s, dl, nfs, None).replace("Rank -1", "Every rank"),
+        {"metrics": {"data_wait_share": rnd(s), "dataloader": dl or None, "nfs": nfs}, "window": _window(rs),
+         "series": {"data_wait_share": {"step": rs.steps.astype(int).tolist(), "median": [rnd(v) for v in share[0]]}}},
+        0.9, run=rs.run.name)]
+
+
+# -- memory ----------------------------------------------------------------------------------------------------
+
+def memory_pressure(w: Window, t: Thresholds) -> list[Detection]:
+    out = []
+    for ri, run in enumerate(w.runs):
+        rs = run_steps(w, ri, ("mem_allocated_bytes", "mem_reserved_bytes", "mem_total_bytes"), t.recent_steps)
+        if rs is None:
+            continue
+        with np.errstate(all="ignore"):
+            frac = rs.m["mem_allocated_bytes"] / rs.m["mem_total_bytes"]
+        present = ~np.isnan(frac)
+        hot = _persistent(np.nan_to_num(frac >= t.mem_warn, nan=0).astype(bool), present, t.recent_steps,
+                          t.persist_steps)
+        for i in np.nonzero(hot)[0]:
+            rank = int(rs.ranks[i])
+            info = run.ranks.get(rank)
+            last = int(np.nonzero(present[i])[0][-1])
+            f, res = float(frac[i, last]), rs.m["mem_reserved_bytes"][i, last] / rs.m["mem_total_bytes"][i, last]
+            gib = rs.m["mem_total_bytes"][i, last] / 2**30
+            out.append(Detection(
+                "memory_pressure", "rank", _rank_subject(run.name, rank), "error" if f >= t.mem_error else "warning",
+                f"Rank {rank} holds {f:.0%} of its GPU's memory ({gib:.0f} GiB): near out-of-memory",
+                f"Rank {rank} has {f:.0%} allocated and {res:.0%} reserved → reduce the micro-batch or sequence length, "
+                "enable activation checkpointing, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against "
+                "fragmentation; if it keeps growing step after step, look for tensors kept across steps (a leak).",
+                {"metrics": {"allocated_frac": rnd(f), "reserved_frac": rnd(res)}, "window": _window(rs),
+                 "series": {"allocated_frac": {"step": rs.steps.astype(int).tolist(),
+                                               "rank": [rnd(v) for v in frac[i]]}}},
+                0.95, node=info.node if info else None, gpu_index=info.gpu if info else None, rank=rank, run=run.name))
+    return out
+
+
+# -- hang --------------------------------------------------------------------------------------------------------
+
+def hang(w: Window, t: Thresholds, alive_within_s: float, excused: dict[str, str]) -> list[Detection]:
+    """``excused``: run name -> the root cause already found for its stall (a dead node, a lost GPU)."""
+    out = []
+    for ri, run in enumerate(w.runs):
+        if run.name in excused or run.last_step_ts is None:
+            continue
+        rs = run_steps(w, ri, (), 16)
+        watchdog = [e for e in w.events if e["run"] == run.name and _is_watchdog(e)]
+        med = rs.step_med if rs is not None else float("nan")
+        stalled = w.now - run.last_step_ts
+        limit = max(t.hang_steps * med, t.hang_min_s) if np.isfinite(med) else float("inf")
+        if not watchdog and not (stalled >= limit and stalled < 3600):
+            continue
+        nodes = {r.node for r in run.ranks.values() if r.node}
+        silent = [h for h in nodes if w.now - w.last_heard.get(h, -1e18) > alive_within_s]
+        if silent and not watchdog:
+            continue  # the node-down detector speaks for a run whose agents are not all alive
+        if _finished(w, run):
+            continue
+        out.append(_hang_detection(w, run, rs, stalled, med, watchdog))
+    return out
+
+
+def _is_watchdog(e: dict[str, Any]) -> bool:
+    return e["kind"] == "watchdog" or (e["kind"] == "error" and "watchdog" in (e.get("message") or "").lower())
+
+
+def _finished(w: Window, run: RunInfo) -> bool:
+    """A run that ended cleanly stops stepping too: its GPUs go idle (a hung collective keeps them busy), or its
+    hooks said so."""
+    if any(e["kind"] == "hook" and e["run"] == run.name and (e.get("data") or {}).get("state") == "finished"
+           for e in w.events):
+        return True
+    util = []
+    g = w.gpus
+    recent = g["ts"] >= w.now - 5
+    for info in run.ranks.values():
+        if info.node is None or info.gpu is None:
+            continue
+        util.append(g["util_gpu_pct"][recent & (g["gpu"] == info.gpu) & (g["node"] == w.nodes.index(info.node))]
+                    if info.node in w.nodes else np.empty(0))
+    vals = np.concatenate(util) if util else np.empty(0)
+    vals = vals[~np.isnan(vals)]
+    return len(vals) > 0 and float(np.median(vals)) < 10.0
+
+
+def _hang_detection(w: Window, run: RunInfo, rs: RunSteps | None, stalled: float, med: float,
+                    watchdog: list[dict[str, Any]]) -> Detection:
+    behind: list[int] = []
+    if rs is not None:
+        last = np.array([np.nanmax(np.where(np.isnan(rs.m["ts"][i]), np.nan, rs.steps)) for i in range(len(rs.ranks))])
+        top = np.nanmax(last)
+        lag = rs.ranks[last < top]
+        if 0 < len(lag) <= max(1, len(rs.ranks) // 2):
+            behind = [int(r) for r in lag]
+    subject, stype, rank = run.name, "run", None
+    if len(behind) == 1:
+        subject, stype, rank = _rank_subject(run.name, behind[0]), "rank", behind[0]
+    who = f"rank {behind[0]} stopped first" if rank is not None else "no rank makes progress"
+    cause = f"; watchdog: {watchdog[-1]['message'][:200]}" if watchdog else ""
+    action = (f"The run has made no step for {stalled:.0f} s ({stalled / med:.0f}× its median step) although every "
+              f"agent is alive: {who}{cause} → dump the stacks of the ranks (py-spy dump --pid, or "
+              "TORCH_NCCL_DUMP_ON_TIMEOUT=1), look for a rank stuck outside the collective, then restart from the "
+              "last checkpoint." if np.isfinite(med) and med > 0 else f"Watchdog timeout{cause} → restart from the "
+              "last checkpoint after finding the rank that did not join the collective.")
+    info = run.ranks.get(rank) if rank is not None else None
+    return Detection(
+        "hang", stype, subject, "critical",
+        f"{run.name} is hung: no step for {stalled:.0f} s" + (f" (rank {rank} behind)" if rank is not None else ""),
+        action, {"metrics": {"stalled_s": rnd(stalled, 1), "median_step_s": rnd(med), "last_step": run.last_step,
+                             "ranks_behind": behind[:64], "watchdog_events": len(watchdog)},
+                 "window": [rnd(run.last_step_ts), rnd(w.now)]},
+        0.95 if watchdog else 0.85, node=info.node if info else None, rank=rank, run=run.name)
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------------------
+
+def checkpoint_risk(w: Window, t: Thresholds) -> list[Detection]:
+    out = []
+    for run in w.runs:
+        if run.last_step is None or run.last_step_ts is None or w.now - run.last_step_ts > 60:
+            continue  # only runs that are stepping: a hung run is the hang detector's, a finished one nobody's
+        ckpts = _checkpoints(run)
+        if not ckpts:
+            continue
+        last_ts, last_step = ckpts[-1]
+        steps = [s for _, s in ckpts]
+        cadence = float(np.median(np.diff(steps[-4:]))) if len(steps) >= 2 else None
+        if cadence is not None and cadence > 0:
+            slack = max(t.ckpt_slack_steps, t.ckpt_slack_frac * cadence)
+            overdue = run.last_step - last_step > cadence + slack
+        else:
+            overdue = w.now - last_ts > t.ckpt_max_age_s
+        if overdue:
+            out.append(_checkpoint_detection(w, run, last_ts, last_step, cadence, t))
+    return out
+
+
+def _checkpoints(run: RunInfo) -> list[tuple[float, int]]:
+    seen: dict[int, float] = {}
+    for ts, step in run.checkpoints:
+        seen[step] = max(seen.get(step, 0.0), ts)
+    step, ts = run.meta.get("last_checkpoint_step"), run.meta.get("last_checkpoint_ts")
+    if step is not None and ts is not None and step > 0:
+        seen[int(step)] = max(seen.get(int(step), 0.0), float(ts))
+    return sorted((ts, s) for s, ts in seen.items())
+
+
+def _checkpoint_detection(w: Window, run: RunInfo, last_ts: float, last_step: int, cadence: float | None,
+                          t: Thresholds) -> Detection:
+    gpus = run.world_size or len(run.ranks) or 1
+    age = w.now - last_ts
+    gpu_h = gpus * age / 3600
+    usd = gpu_h * t.gpu_hour_usd
+    since = (run.last_step or 0) - last_step
+    sev = "error" if cadence and since > 2 * cadence else "warning"
+    every = f"every {cadence:.0f} steps until now" if cadence else f"none for {age / 60:.0f} min"
+    return Detection(
+        "checkpoint_overdue", "run", run.name, sev,
+        f"{run.name}: no checkpoint for {since} steps ({age / 60:.1f} min); {gpu_h:.1f} GPU-hours (${usd:,.0f}) at risk",
+        f"The last checkpoint was at step {last_step} ({every}); a crash now loses {gpu_h:.1f} GPU-hours "
+        f"(${usd:,.0f} at ${t.gpu_hour_usd}/GPU-hour) → check the checkpoint writer (disk full, permissions, a "
+        "failing save that the loop swallows) and save one now.",
+        {"metrics": {"last_checkpoint_step": last_step, "last_checkpoint_ts": rnd(last_ts), "steps_since": since,
+                     "cadence_steps": rnd(cadence, 1), "gpu_hours_at_risk": rnd(gpu_h, 2), "usd_at_risk": rnd(usd, 2),
+                     "gpus": gpus, "gpu_hour_usd": t.gpu_hour_usd},
+         "window": [rnd(last_ts), rnd(w.now)]}, 0.9, run=run.name)
+
+
+# -- efficiency ----------------------------------------------------------------------------------------------------
+
+def efficiency_figures(w: Window, run_index: int) -> dict[str, Any] | None:
+    """tokens/s, MFU (from flops_per_token and peak_flops in the run's metadata) and goodput over the window."""
+    run = w.runs[run_index]
+    rs = run_steps(w, run_index, ("tokens",), 16)
+    if rs is None:
+        return None
+    step_s = np.nanmedian(rs.m["step_time_s"], axis=0)
+    tokens = np.nansum(rs.m["tokens"], axis=0)
+    tps = float(np.sum(tokens) / np.sum(step_s)) if np.sum(step_s) > 0 else None
+    fpt, peak = run.meta.get("flops_per_token"), run.meta.get("peak_flops")
+    gpus = run.world_size or len(rs.ranks)
+    mfu = tps * fpt / (peak * gpus) if tps and fpt and peak and gpus else None
+    start = float(np.nanmin(rs.m["ts"] - rs.m["step_time_s"]))
+    span = max(w.now, float(np.nanmax(rs.m["ts"]))) - start
+    goodput = float(min(1.0, np.sum(step_s) / span)) if span > 0 else None
+    return {"tokens_per_s": rnd(tps, 1), "mfu": rnd(mfu, 4), "goodput": rnd(goodput, 3),
+            "median_step_s": rnd(rs.step_med), "steps": len(rs.steps)}
+
+
+def efficiency(w: Window, t: Thresholds) -> list[Detection]:
+    out = []
+    for ri, run in enumerate(w.runs):
+        fig = efficiency_figures(w, ri)
+        if not fig or fig["mfu"] is None or t.mfu_floor <= 0 or fig["mfu"] >= t.mfu_floor:
+            continue
+        out.append(Detection(
+            "efficiency", "run", run.name, "info", f"{run.name} runs at {fig['mfu']:.1%} MFU",
+            f"Model FLOPs utilisation is {fig['mfu']:.1%} ({fig['tokens_per_s']} tokens/s) → check the other "
+            "findings first; then the micro-batch size, mixed precision, and compiled kernels (torch.compile).",
+            {"metrics": fig}, 0.7, run=run.name))
+    return out

@@ -1,0 +1,121 @@
+"""What the detectors look at: a bounded, recent window of every series, as numpy columns.
+
+Two producers fill it with the same row layouts: :mod:`dashboard.diagnosis.loader` from the database (one bounded
+index range scan per series) and :class:`dashboard.diagnosis.detectors.buffer.WindowBuffer` from wire batches (the
+fault-injection suite and the pure tests). Nothing here imports Django.
+
+Nodes are referred to by index into ``Window.nodes`` inside the tables (fast integer group-bys) and by host name in
+everything a person reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Row layouts: numeric columns first (floats, NaN for null), then object columns (lists, dicts, strings).
+STEP_NUM = ("run", "rank", "step", "ts", "step_time_s", "data_wait_s", "compute_s", "comm_s", "comm_arrive_s",
+            "tokens", "mem_allocated_bytes", "mem_reserved_bytes", "mem_total_bytes")
+GPU_NUM = ("node", "gpu", "ts", "util_gpu_pct", "sm_clock_mhz", "sm_clock_max_mhz", "temp_c", "power_w",
+           "power_limit_w", "ecc_sbe_volatile", "ecc_dbe_volatile", "retired_pages_pending", "remap_pending",
+           "remap_failure", "remap_uncorrectable", "pcie_replay_total", "pcie_gen", "pcie_gen_max", "pcie_width",
+           "pcie_width_max", "nvlink_links_up", "nvlink_links_total", "nvlink_crc_errors_total",
+           "nvlink_replay_errors_total", "nvlink_recovery_errors_total")
+GPU_OBJ = ("throttle_reasons", "unavailable")
+PORT_NUM = ("node", "ts", "port", "rate_gbps")
+PORT_OBJ = ("device", "state", "counters")
+PROBE_NUM = ("node", "peer", "ts", "sent", "lost", "rtt_ms", "bw_gbps")
+
+# How much history a pass looks at: seconds per series, except steps (the last N steps of each run, so slow steps
+# still give enough of them). Bounded, so the cost of a pass never grows with the history kept.
+SPANS = {"gpus": 20.0, "ports": 20.0, "probes": 15.0, "hosts": 10.0, "events": 120.0, "checkpoints": 6 * 3600.0}
+STEP_SPAN = 24
+
+
+class Table:
+    """Equal-length columns. Numeric ones are float arrays (NaN = null); object ones are numpy object arrays."""
+
+    def __init__(self, num: dict[str, np.ndarray], obj: dict[str, np.ndarray] | None = None) -> None:
+        self.num = num
+        self.obj = obj or {}
+        self.n = len(next(iter(num.values()))) if num else 0
+
+    @classmethod
+    def from_rows(cls, num_cols: Sequence[str], obj_cols: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+        k = len(num_cols)
+        if not rows:
+            return cls({c: np.empty(0) for c in num_cols}, {c: np.empty(0, dtype=object) for c in obj_cols})
+        cols = list(zip(*rows, strict=True))
+        num = {c: np.array(cols[i], dtype=float) for i, c in enumerate(num_cols)}
+        obj = {}
+        for j, c in enumerate(obj_cols):
+            arr = np.empty(len(rows), dtype=object)
+            arr[:] = cols[k + j]
+            obj[c] = arr
+        return cls(num, obj)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.num[name] if name in self.num else self.obj[name]
+
+    def take(self, index: np.ndarray) -> Table:
+        return Table({c: v[index] for c, v in self.num.items()}, {c: v[index] for c, v in self.obj.items()})
+
+
+@dataclass
+class RankInfo:
+    node: str | None
+    gpu: int | None
+    meta: dict[str, Any]
+
+
+@dataclass
+class RunInfo:
+    name: str
+    world_size: int | None
+    meta: dict[str, Any]
+    ranks: dict[int, RankInfo]
+    last_step: int | None = None
+    last_step_ts: float | None = None
+    checkpoints: list[tuple[float, int]] = field(default_factory=list)  # (ts, step), oldest first
+    id: int | None = None  # database id when loaded from the database
+
+
+@dataclass
+class Window:
+    now: float
+    nodes: list[str]
+    steps: Table
+    gpus: Table
+    ports: Table
+    probes: Table
+    events: list[dict[str, Any]]
+    hosts: dict[str, dict[str, Any]]  # host -> latest host sample (cpu_pct, nfs, ts)
+    runs: list[RunInfo]
+    last_heard: dict[str, float]  # host -> newest timestamp of anything it sent (for every node we expect)
+    interconnect: str = "ib"
+    gpu_bus: dict[tuple[str, str], int] = field(default_factory=dict)  # (host, "bb:dd") -> GPU index
+    span: dict[str, float] = field(default_factory=dict)  # series -> seconds of history this window holds
+
+    def node_index(self) -> dict[str, int]:
+        return {h: i for i, h in enumerate(self.nodes)}
+
+
+def bus_key(pci_bus_id: str | None) -> str | None:
+    """ "00000000:18:00.0" and "0000:18:00" -> "18:00": the bus and device, the part every tool prints alike."""
+    if not pci_bus_id:
+        return None
+    parts = pci_bus_id.lower().split(":")
+    if len(parts) < 2:
+        return None
+    return f"{parts[-2][-2:]}:{parts[-1].split('.')[0][:2]}"
+
+
+def node_names(rows: Iterable[str]) -> tuple[list[str], dict[str, int]]:
+    names = sorted(set(rows))
+    return names, {h: i for i, h in enumerate(names)}
