@@ -92,6 +92,27 @@
     }
   }
 
+  function drawRanks() {
+    if (!$("ranks")) return;
+    const keys = [...steps.keys()].sort((a, b) => a - b).slice(-20);
+    const per = new Map();  // rank -> [data, compute, comm] sums, count
+    for (const k of keys) {
+      for (const r of steps.get(k).values()) {
+        const acc = per.get(r[1]) || [0, 0, 0, 0];
+        acc[0] += r[4] || 0; acc[1] += r[5] || 0; acc[2] += r[6] || 0; acc[3] += 1;
+        per.set(r[1], acc);
+      }
+    }
+    const ranks = [...per.keys()].sort((a, b) => a - b);
+    const x = ranks.map((r) => "rank " + r);
+    const y = (i) => ranks.map((r) => per.get(r)[i] / per.get(r)[3]);
+    Plotly.react("ranks", [
+      {type: "bar", name: "data wait", x, y: y(0), marker: {color: "#e4572e"}},
+      {type: "bar", name: "compute", x, y: y(1), marker: {color: "#29335c"}},
+      {type: "bar", name: "communication", x, y: y(2), marker: {color: "#f3a712"}},
+    ], layout({barmode: "stack", yaxis: {title: "seconds (mean)"}}), {displayModeBar: false});
+  }
+
   function drawHeatmap() {
     if (!$("heatmap")) return;
     const rows = [...gpus.values()];
@@ -115,7 +136,7 @@
   function render() {
     if (dirty) {
       dirty = false;
-      drawSteps(); drawHeatmap(); drawLists();
+      drawSteps(); drawRanks(); drawHeatmap(); drawLists();
     }
     setTimeout(() => requestAnimationFrame(render), 250);
   }
