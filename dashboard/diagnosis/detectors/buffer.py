@@ -10,7 +10,18 @@ from collections import deque
 from typing import Any
 
 from dashboard.diagnosis.detectors.window import (
-    GPU_NUM, GPU_OBJ, PORT_NUM, PORT_OBJ, PROBE_NUM, SPANS, STEP_NUM, STEP_SPAN, RankInfo, RunInfo, Table, Window,
+    GPU_NUM,
+    GPU_OBJ,
+    PORT_NUM,
+    PORT_OBJ,
+    PROBE_NUM,
+    SPANS,
+    STEP_NUM,
+    STEP_SPAN,
+    RankInfo,
+    RunInfo,
+    Table,
+    Window,
     bus_key,
 )
 

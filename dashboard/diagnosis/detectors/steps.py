@@ -70,7 +70,7 @@ def _persistent(flags: np.ndarray, present: np.ndarray, recent: int, persist: in
 
 def late_ranks(w: Window, t: Thresholds) -> list[Detection]:
     out: list[Detection] = []
-    for ri, run in enumerate(w.runs):
+    for ri in range(len(w.runs)):
         rs = run_steps(w, ri, ("data_wait_s", "compute_s", "comm_arrive_s", "comm_s"), t.recent_steps + 3)
         if rs is None or len(rs.ranks) < 3:  # with two ranks there is no majority to be late against
             if rs is not None:
