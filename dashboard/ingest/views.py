@@ -93,6 +93,7 @@ def ingest(request: HttpRequest) -> HttpResponse:
     if batch["cluster"] is not None and batch["cluster"] != cluster.name:
         return error("wrong_cluster", f"token is for cluster {cluster.name!r}, batch names {batch['cluster']!r}")
     try:
+        tokens.mark_used(token)
         result = store_batch(cluster, batch)
     except DatabaseError as exc:
         log.warning("ingest: database unavailable for %s seq %s: %s", batch["agent_id"], batch["seq"], exc)

@@ -36,9 +36,3 @@ def broadcast(group: str, event: dict[str, Any]) -> None:
     except Exception as exc:  # a full channel or a Redis hiccup must not fail the ingest that already committed
         log.warning("broadcast to %s failed: %s", group, exc)
 
-
-async def abroadcast(group: str, event: dict[str, Any]) -> None:
-    check_event(event)
-    layer = get_channel_layer()
-    if layer is not None:
-        await layer.group_send(group, {"type": "live.event", "event": event})

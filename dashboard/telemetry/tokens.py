@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import time
 
 from django.utils import timezone
 
@@ -34,6 +35,18 @@ def lookup(token: str) -> IngestToken | None:
     if row is None or not hmac.compare_digest(row.digest, _digest(token)):
         return None
     return row
+
+
+_last_marked: dict[int, float] = {}
+MARK_USED_EVERY_S = 60.0
+
+
+def mark_used(row: IngestToken) -> None:
+    """Record that a token is in use, at most once a minute per process (an UPDATE per request would be waste)."""
+    now = time.monotonic()
+    if now - _last_marked.get(row.id, -MARK_USED_EVERY_S) >= MARK_USED_EVERY_S:
+        IngestToken.objects.filter(id=row.id).update(last_used_at=timezone.now())
+        _last_marked[row.id] = now
 
 
 def revoke(prefix: str) -> bool:
