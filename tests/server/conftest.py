@@ -22,8 +22,10 @@ def _fresh_caches() -> Iterator[None]:
     """The ingest writer caches ids and the live state keeps the latest samples; tests roll the DB back under them."""
     from dashboard.ingest.writer import clear_caches
     from dashboard.live import state
+    from dashboard.telemetry import tokens
 
     clear_caches()
+    tokens._last_marked.clear()
     state.get_state.cache_clear()
     live = state.get_state()
     if hasattr(live, "clear"):

@@ -46,7 +46,10 @@ def test_token_create_prints_the_secret_alone_on_the_last_line(cli_db: None, cli
     cluster = Cluster.objects.get(name="gpu-farm")
     row = IngestToken.objects.get(cluster=cluster)
     assert token not in row.digest and row.digest != token, "only a hash is stored"
+    assert row.last_used_at is None
     assert post(client, make_batch(), token).json()["status"] == "accepted"
+    row.refresh_from_db()
+    assert row.last_used_at is not None
 
     listed = clusterdx("token", "list", "gpu-farm")
     assert row.prefix in listed.stdout and token not in listed.stdout
