@@ -49,8 +49,8 @@ class HttpResult:
 def _why_not_global(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return _why_not_global(ip.ipv4_mapped)
-    for attr, what in (("is_loopback", "loopback"), ("is_link_local", "link-local"), ("is_private", "private"),
-                       ("is_multicast", "multicast"), ("is_unspecified", "unspecified"), ("is_reserved", "reserved")):
+    for attr, what in (("is_unspecified", "unspecified"), ("is_loopback", "loopback"), ("is_link_local", "link-local"),
+                       ("is_private", "private"), ("is_multicast", "multicast"), ("is_reserved", "reserved")):
         if getattr(ip, attr):
             return what
     return None if ip.is_global else "not globally routable"

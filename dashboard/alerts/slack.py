@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dashboard.alerts import conf
 from dashboard.alerts.alert import Alert
 from dashboard.alerts.base import Transport
 
@@ -22,7 +23,9 @@ class Slack(Transport):
 
     @classmethod
     def clean_config(cls, url: str, secret: str) -> tuple[str, str]:
-        if not url.startswith("https://"):
+        # The URL is the credential: never in clear text, except to an on-premises Slack-compatible receiver
+        # (Mattermost, Rocket.Chat) where private destinations are explicitly allowed.
+        if not url.startswith("https://") and not conf.allow_private():
             raise ValueError("a Slack incoming-webhook URL starts with https://")
         return url, ""
 
@@ -39,7 +42,7 @@ class Slack(Transport):
         blocks += self._finding_blocks(alert)
         blocks.append({"type": "actions", "elements": [
             {"type": "button", "text": {"type": "plain_text", "text": "Open in clusterdx"}, "url": alert.link}]})
-        return {"text": title, "blocks": blocks}
+        return {"text": _mrkdwn(title), "blocks": blocks}  # the fallback text is parsed as mrkdwn
 
     def _finding_blocks(self, alert: Alert) -> list[dict[str, Any]]:
         if not alert.findings:

@@ -143,14 +143,13 @@ def resolve(finding: Any) -> None:
     signal(finding, "resolved")
 
 
-def drain(rounds: int = 50, pause: float = 0.02) -> None:
+def drain(timeout: float = 8.0, pause: float = 0.02) -> None:
     """Send everything due until nothing is left pending (retries included), like the embedded sweep does."""
-    import time
-
     from dashboard.alerts.models import Delivery
     from dashboard.alerts.tasks import send_due
 
-    for _ in range(rounds):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         send_due()
         if not Delivery.objects.filter(status__in=Delivery.ACTIVE).exists():
             return
