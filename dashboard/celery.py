@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from celery import Celery
+from django.conf import settings
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
 
@@ -17,6 +18,7 @@ app.autodiscover_tasks()
 SCHEDULE: dict[str, tuple[str, float]] = {
     "retention": ("dashboard.telemetry.tasks.purge_old_samples", 600.0),
     "alerts-sweep": ("dashboard.alerts.tasks.sweep", 1.0),
+    "diagnosis": ("dashboard.diagnosis.tasks.diagnose", float(settings.CLUSTERDX["DIAGNOSIS_INTERVAL_S"])),
 }
 
 

@@ -1,7 +1,73 @@
+from typing import Any
+
 from django.apps import AppConfig
+
+_ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+_FINDING = {
+    "type": "object",
+    "required": ["id", "kind", "state", "severity", "subject", "subject_type", "title", "action", "confidence",
+                 "opened_at", "updated_at", "evidence"],
+    "properties": {
+        "id": {"type": "integer"}, "kind": {"type": "string"}, "state": {"enum": ["open", "resolved"]},
+        "severity": {"enum": ["info", "warning", "error", "critical"]},
+        "subject_type": {"enum": ["cluster", "node", "gpu", "rank", "link", "run"]},
+        "subject": {"type": "string", "description": "node-003, node-003/gpu4, <run>/rank5, node-001~node-002, <run>"},
+        "title": {"type": "string"}, "action": {"type": "string"}, "confidence": {"type": "number"},
+        "run": {"type": ["integer", "null"]}, "cluster": {"type": "string"},
+        "opened_at": {"type": "number"}, "updated_at": {"type": "number"}, "resolved_at": {"type": ["number", "null"]},
+        "evidence": {"type": "object", "description": "metrics, window [t0, t1] and series to plot"},
+    },
+}
+_CAUSE = {
+    "type": "object", "required": ["summary", "kind", "subject", "confidence"],
+    "properties": {"summary": {"type": "string"}, "kind": {"type": "string"}, "subject": {"type": "string"},
+                   "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
+}
 
 
 class DiagnosisConfig(AppConfig):
     name = "dashboard.diagnosis"
     label = "diagnosis"
     verbose_name = "Findings: what is holding a run back, and why"
+
+    def openapi_paths(self) -> dict[str, Any]:
+        from dashboard.diagnosis.detectors import KINDS
+
+        def q(name: str, schema: dict[str, Any], text: str) -> dict[str, Any]:
+            return {"name": name, "in": "query", "required": False, "schema": schema, "description": text}
+
+        findings = {"get": {
+            "operationId": "listFindings", "summary": "Findings of the clusters you are a member of, newest first",
+            "security": [{"session": []}],
+            "parameters": [q("cluster", {"type": "string"}, "cluster name or id"),
+                           q("run", {"type": "integer"}, "run id: its findings and those of its nodes"),
+                           q("state", {"enum": ["open", "resolved"]}, ""), q("kind", {"enum": list(KINDS)}, ""),
+                           q("limit", {"type": "integer", "minimum": 1, "maximum": 1000}, "default 100")],
+            "responses": {
+                "200": {"description": "The findings", "content": {"application/json": {"schema": {
+                    "type": "object", "properties": {"findings": {"type": "array", "items": _FINDING}}}}}},
+                "400": {"description": "A bad filter value", **_ERROR},
+                "401": {"description": "Not logged in", **_ERROR},
+                "404": {"description": "No such cluster or run (or not yours)", **_ERROR},
+            }}}
+        path_params = [{"name": "run_id", "in": "path", "required": True, "schema": {"type": "integer"}},
+                       {"name": "step", "in": "path", "required": True, "schema": {"type": "integer"}}]
+        explain = {"get": {
+            "operationId": "explainStep", "summary": "Why was this step slow? Each rank's split, every layer, the cause",
+            "security": [{"session": []}], "parameters": path_params,
+            "responses": {
+                "200": {"description": "The step explained", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["run", "step", "window", "ranks", "layers", "cause"],
+                    "properties": {
+                        "run": {"type": "integer"}, "step": {"type": "integer"},
+                        "window": {"type": "array", "items": {"type": "number"}},
+                        "step_time_s": {"type": "number"}, "baseline_step_time_s": {"type": ["number", "null"]},
+                        "ranks": {"type": "array", "items": {"type": "object", "description":
+                                  "rank, host, gpu, data_wait_s, compute_s, comm_s, comm_arrive_s, GPU util/clocks"}},
+                        "layers": {"type": "object", "description": "gpus, nccl, xid, ib, probes, other_events"},
+                        "findings": {"type": "array", "items": _FINDING},
+                        "cause": _CAUSE}}}}},
+                "401": {"description": "Not logged in", **_ERROR},
+                "404": {"description": "No such run or step (or not yours)", **_ERROR},
+            }}}
+        return {"/api/v1/findings": findings, "/api/v1/runs/{run_id}/steps/{step}/explain": explain}

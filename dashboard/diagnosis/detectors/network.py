@@ -110,7 +110,9 @@ def _node_bad(w: Window, t: Thresholds, n: int, rows: np.ndarray, bad: np.ndarra
 
 def slow_links(w: Window, t: Thresholds, down: set[str]) -> list[Detection]:
     index = w.node_index()
-    down_i = {index[h] for h in down if h in index}
+    # A node that has gone quiet and loses its probes is about to be named down, not slow: leave it to that detector.
+    quiet = {h for h, heard in w.last_heard.items() if w.now - heard > 1.5 * report_interval(w, index.get(h, -1))}
+    down_i = {index[h] for h in down | quiet if h in index}
     out: dict[str, Detection] = {}
     if len(w.probes):
         rows, bad, base = _bad_pairs(w, t, down_i)
@@ -140,7 +142,9 @@ def _probe_detection(w: Window, rows: np.ndarray, hit: dict[str, Any], base: dic
                      node: str, peer: str | None) -> Detection:
     p = w.probes
     sel = rows[hit["rows"]]
-    rtt, bw = float(np.nanmedian(p["rtt_ms"][sel])), p["bw_gbps"][sel]
+    with np.errstate(all="ignore"):
+        rtt, bw = float(np.nanmedian(p["rtt_ms"][sel])) if np.any(~np.isnan(p["rtt_ms"][sel])) else float("nan"), \
+            p["bw_gbps"][sel]
     loss = float(np.nansum(p["lost"][sel]) / max(1.0, float(np.nansum(p["sent"][sel]))))
     bw_med = float(np.nanmedian(bw)) if np.any(~np.isnan(bw)) else None
     if hit["what"] == "bw":

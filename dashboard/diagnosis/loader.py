@@ -1,0 +1,185 @@
+"""Builds a detector :class:`Window` from the database: one bounded index range scan per series.
+
+Every query is ``WHERE cluster_id = ? AND ts >= ?`` (the (cluster, ts) indexes) or, for steps, ``run_id = ? AND
+step > ?`` (the (run, step) index), so a pass reads the same amount of data whatever the retention. Rows are read
+with raw SQL returning epoch seconds: the ORM's datetime objects would cost more than everything else together.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import numpy as np
+from django.db import connection
+from django.db.models import Max
+
+from dashboard.diagnosis.detectors.window import (
+    GPU_NUM,
+    GPU_OBJ,
+    PORT_NUM,
+    PORT_OBJ,
+    PROBE_NUM,
+    SPANS,
+    STEP_NUM,
+    STEP_SPAN,
+    RankInfo,
+    RunInfo,
+    Table,
+    Window,
+    bus_key,
+)
+from dashboard.telemetry import models as m
+
+ACTIVE_RUN_S = 3600.0  # runs that stepped within this long are examined (a longer stall is not a hang any more)
+EXPECTED_NODE_S = 86400.0  # nodes heard from within this long are expected to keep reporting
+MAX_EVENTS = 5000
+
+
+def _dt(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, tz=UTC)
+
+
+def _epoch(col: str = "ts") -> str:
+    if connection.vendor == "postgresql":
+        return f"EXTRACT(EPOCH FROM {col})::float8"
+    return f"(julianday({col}) - 2440587.5) * 86400.0"
+
+
+def _json(v: Any) -> Any:
+    return json.loads(v) if isinstance(v, str) else v
+
+
+def _rows(model: type, columns: list[str], where: str, params: list[Any]) -> list[tuple[Any, ...]]:
+    sql = f"SELECT {', '.join(columns)} FROM {connection.ops.quote_name(model._meta.db_table)} WHERE {where}"
+    with connection.cursor() as cur:
+        cur.execute(sql, params)
+        return cur.fetchall()
+
+
+def _since(cluster_id: int, now: float, span: float) -> tuple[str, list[Any]]:
+    return "cluster_id = %s AND ts >= %s", [cluster_id, connection.ops.adapt_datetimefield_value(_dt(now - span))]
+
+
+def load_window(cluster: m.Cluster, now: float) -> Window:
+    nodes_rows = list(m.Node.objects.filter(cluster=cluster).values_list("id", "hostname", "agent_id", "last_seen"))
+    hostnames = sorted(h for _, h, _, _ in nodes_rows)
+    index = {h: i for i, h in enumerate(hostnames)}
+    by_id = {nid: index[h] for nid, h, _, _ in nodes_rows}
+    gpus = _gpus(cluster.id, now, by_id)
+    ports = _ports(cluster.id, now, by_id)
+    probes = _probes(cluster.id, now, by_id, hostnames, index)
+    runs, steps = _runs(cluster, now)
+    w = Window(now=now, nodes=hostnames, steps=steps, gpus=gpus, ports=ports, probes=probes,
+               events=_events(cluster.id, now), hosts=_hosts(cluster.id, now, by_id, hostnames), runs=runs,
+               last_heard={}, interconnect=cluster.interconnect, gpu_bus=_gpu_bus(cluster), span=dict(SPANS))
+    w.last_heard = _last_heard(w, nodes_rows, index, now)
+    return w
+
+
+def _gpus(cluster_id: int, now: float, by_id: dict[int, int]) -> Table:
+    where, params = _since(cluster_id, now, SPANS["gpus"])
+    cols = ["node_id", "gpu_index", _epoch(), *GPU_NUM[3:], *GPU_OBJ]
+    rows = [(by_id[r[0]], *r[1:-2], _json(r[-2]), _json(r[-1])) for r in _rows(m.GpuSample, cols, where, params)]
+    return Table.from_rows(GPU_NUM, GPU_OBJ, rows)
+
+
+def _ports(cluster_id: int, now: float, by_id: dict[int, int]) -> Table:
+    where, params = _since(cluster_id, now, SPANS["ports"])
+    cols = ["node_id", _epoch(), "port", "rate_gbps", "device", "state", "counters"]
+    rows = [(by_id[r[0]], *r[1:-1], _json(r[-1])) for r in _rows(m.PortSample, cols, where, params)]
+    return Table.from_rows(PORT_NUM, PORT_OBJ, rows)
+
+
+def _probes(cluster_id: int, now: float, by_id: dict[int, int], hostnames: list[str], index: dict[str, int]) -> Table:
+    where, params = _since(cluster_id, now, SPANS["probes"])
+    rows = []
+    for r in _rows(m.Probe, ["node_id", "peer", _epoch(), "sent", "lost", "rtt_ms", "bw_gbps"], where, params):
+        peer = index.get(r[1])
+        if peer is None:  # a peer without an agent (an address, or a host we have not heard from)
+            peer = index[r[1]] = len(hostnames)
+            hostnames.append(r[1])
+        rows.append((by_id[r[0]], peer, *r[2:]))
+    return Table.from_rows(PROBE_NUM, (), rows)
+
+
+def _hosts(cluster_id: int, now: float, by_id: dict[int, int], hostnames: list[str]) -> dict[str, dict[str, Any]]:
+    where, params = _since(cluster_id, now, SPANS["hosts"])
+    out: dict[str, dict[str, Any]] = {}
+    for node_id, ts, cpu, nfs in _rows(m.HostSample, ["node_id", _epoch(), "cpu_pct", "nfs"], where, params):
+        host = hostnames[by_id[node_id]]
+        if host not in out or ts > out[host]["ts"]:
+            out[host] = {"ts": ts, "cpu_pct": cpu, "nfs": _json(nfs)}
+    return out
+
+
+def _events(cluster_id: int, now: float) -> list[dict[str, Any]]:
+    qs = (m.Event.objects.filter(cluster_id=cluster_id, ts__gte=_dt(now - SPANS["events"])).exclude(kind="checkpoint")
+          .order_by("-ts")[:MAX_EVENTS])
+    out = []
+    for e in qs.values("ts", "node__hostname", "kind", "severity", "code", "gpu_index", "pci_bus_id", "run__name",
+                       "rank", "step", "message", "data"):
+        out.append({"ts": e["ts"].timestamp(), "node": e["node__hostname"], "kind": e["kind"],
+                    "severity": e["severity"], "code": e["code"], "gpu_index": e["gpu_index"],
+                    "pci_bus_id": e["pci_bus_id"], "run": e["run__name"], "rank": e["rank"], "step": e["step"],
+                    "message": e["message"], "data": e["data"]})
+    out.reverse()
+    return out
+
+
+def _runs(cluster: m.Cluster, now: float) -> tuple[list[RunInfo], Table]:
+    runs = list(m.Run.objects.filter(cluster=cluster, last_step_at__gte=_dt(now - ACTIVE_RUN_S)).order_by("id"))
+    infos = [RunInfo(r.name, r.world_size, dict(r.meta), {}, r.last_step,
+                     r.last_step_at.timestamp() if r.last_step_at else None, id=r.id) for r in runs]
+    by_run = {r.id: info for r, info in zip(runs, infos, strict=True)}
+    for run_id, rank, host, gpu, meta in m.Rank.objects.filter(run__in=runs).values_list(
+            "run_id", "rank", "node__hostname", "gpu_index", "meta"):
+        by_run[run_id].ranks[rank] = RankInfo(host, gpu, meta or {})
+    ckpts = (m.Event.objects.filter(cluster=cluster, kind="checkpoint", run__in=runs, step__isnull=False,
+                                    ts__gte=_dt(now - SPANS["checkpoints"]))
+             .values("run_id", "step").annotate(last=Max("ts")).order_by("run_id", "step"))
+    for c in ckpts:
+        by_run[c["run_id"]].checkpoints.append((c["last"].timestamp(), c["step"]))
+    rows: list[tuple[Any, ...]] = []
+    cols = ["rank", "step", _epoch(), *STEP_NUM[4:]]
+    for i, r in enumerate(runs):
+        if r.last_step is None:
+            continue
+        got = _rows(m.StepSample, cols, "run_id = %s AND step > %s", [r.id, r.last_step - STEP_SPAN])
+        rows += [(i, *row) for row in got]
+    return infos, Table.from_rows(STEP_NUM, (), rows)
+
+
+def _gpu_bus(cluster: m.Cluster) -> dict[tuple[str, str], int]:
+    out = {}
+    for host, index, bus in m.Gpu.objects.filter(node__cluster=cluster).values_list("node__hostname", "index",
+                                                                                   "pci_bus_id"):
+        key = bus_key(bus)
+        if key:
+            out[(host, key)] = index
+    return out
+
+
+def _last_heard(w: Window, nodes_rows: list[tuple[Any, ...]], index: dict[str, int], now: float) -> dict[str, float]:
+    """host -> newest timestamp it sent, for every node with an agent heard from in the last day."""
+    newest = np.full(len(w.nodes), -np.inf)
+    for table in (w.gpus, w.ports):
+        if len(table):
+            np.maximum.at(newest, table["node"].astype(int), table["ts"])
+    if len(w.probes):
+        np.maximum.at(newest, w.probes["node"].astype(int), w.probes["ts"])
+    for host, h in w.hosts.items():
+        newest[index[host]] = max(newest[index[host]], h["ts"])
+    out = {}
+    for _, host, agent_id, last_seen in nodes_rows:
+        heard = float(newest[index[host]])
+        if not np.isfinite(heard):
+            # Nothing in the window: silent for at least the window. Only nodes with an agent are expected to
+            # report; a training process posting directly ("hook-..." agent ids) sends steps, which name no node.
+            if not agent_id or agent_id.startswith("hook-") or last_seen is None or \
+                    last_seen < _dt(now) - timedelta(seconds=EXPECTED_NODE_S):
+                continue
+            heard = min(last_seen.timestamp(), now - SPANS["gpus"])
+        out[host] = heard
+    return out

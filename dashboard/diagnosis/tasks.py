@@ -1,0 +1,96 @@
+"""The periodic diagnosis pass (Celery beat in production, the embedded scheduler otherwise; same table).
+
+Per cluster: read a bounded recent window (:mod:`dashboard.diagnosis.loader`), run the pure detectors, reconcile the
+findings. Reading and computing happen outside any transaction (SQLite takes its write lock at BEGIN; ingest must
+not wait for a pass), only the reconcile writes. On PostgreSQL, a per-cluster advisory lock makes a second worker
+that picks up an overlapping tick skip that cluster instead of doing the same work twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from celery import shared_task
+from django.conf import settings
+from django.db import connection
+
+from dashboard.diagnosis.detectors import Detection, Thresholds, run_all
+from dashboard.diagnosis.lifecycle import Changes, reconcile
+from dashboard.diagnosis.loader import load_window
+from dashboard.telemetry.models import Cluster
+
+log = logging.getLogger(__name__)
+LOCK_NAMESPACE = 0x6378_6478  # "cxdx": keeps our advisory lock ids apart from anyone else's
+
+
+def thresholds() -> Thresholds:
+    c = settings.CLUSTERDX
+    return Thresholds(heartbeat_s=float(c["HEARTBEAT_TIMEOUT_S"]), gpu_hour_usd=float(c["GPU_HOUR_PRICE_USD"]))
+
+
+@dataclass
+class PassResult:
+    cluster: str
+    detections: list[Detection] = field(default_factory=list)
+    changes: Changes | None = None
+    timings_s: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False
+
+
+@contextlib.contextmanager
+def _cluster_lock(cluster_id: int) -> Iterator[bool]:
+    if connection.vendor != "postgresql":
+        yield True  # embedded: one scheduler, no overlap
+        return
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_try_advisory_lock(%s, %s)", [LOCK_NAMESPACE, cluster_id])
+        got = bool(cur.fetchone()[0])
+    try:
+        yield got
+    finally:
+        if got:
+            with connection.cursor() as cur:
+                cur.execute("SELECT pg_advisory_unlock(%s, %s)", [LOCK_NAMESPACE, cluster_id])
+
+
+def run_pass(cluster: Cluster, now: float | None = None, t: Thresholds | None = None) -> PassResult:
+    now = time.time() if now is None else now
+    result = PassResult(cluster.name)
+    with _cluster_lock(cluster.id) as got:
+        if not got:
+            result.skipped = True
+            return result
+        t0 = time.perf_counter()
+        window = load_window(cluster, now)
+        t1 = time.perf_counter()
+        result.detections = run_all(window, t or thresholds())
+        t2 = time.perf_counter()
+        result.changes = reconcile(cluster, result.detections, datetime.fromtimestamp(now, tz=UTC))
+        t3 = time.perf_counter()
+    result.timings_s = {"load": t1 - t0, "detect": t2 - t1, "reconcile": t3 - t2, "total": t3 - t0}
+    return result
+
+
+def active_clusters(now: float) -> list[Cluster]:
+    """Clusters with a node heard from within the last day (a quiet cluster costs nothing)."""
+    since = datetime.fromtimestamp(now, tz=UTC) - timedelta(days=1)
+    return list(Cluster.objects.filter(nodes__last_seen__gte=since).distinct().order_by("id"))
+
+
+@shared_task(name="dashboard.diagnosis.tasks.diagnose")
+def diagnose() -> dict[str, float]:
+    now = time.time()
+    took: dict[str, float] = {}
+    for cluster in active_clusters(now):
+        try:
+            res = run_pass(cluster, now)
+        except Exception:  # one cluster's bad data must not starve the others of their pass
+            log.exception("diagnosis pass for cluster %s failed", cluster.name)
+            continue
+        took[cluster.name] = round(res.timings_s.get("total", 0.0), 4)
+    return took

@@ -1,0 +1,122 @@
+"""The diagnosis pass against the database: simulator batches through the real validator and ingest writer, the
+loader's bounded queries, the detectors, and the findings lifecycle (open, escalate, resolve with hysteresis)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from clusterdx import wire
+from collectors.sim.model import SimCluster
+from collectors.sim.scenario import parse
+from dashboard.diagnosis.models import Finding
+from dashboard.diagnosis.signals import finding_changed
+from dashboard.diagnosis.tasks import diagnose, run_pass
+from dashboard.ingest.writer import store_batch
+from tests.server.conftest import World
+
+pytestmark = pytest.mark.django_db
+
+
+class Feed:
+    """A simulated cluster whose batches go through ingest, with a pass after every simulated second."""
+
+    def __init__(self, world: World, faults: list[dict[str, Any]], nodes: int = 8, gpus: int = 4, **cluster: Any):
+        scenario = parse({"cluster": {"nodes": nodes, "gpus_per_node": gpus, "run": "llm", "seed": 5, **cluster},
+                          "fault": faults})
+        self.cluster = world.cluster
+        # Simulated time ends near the wall clock, so Node.last_seen (the server's clock) agrees with the data.
+        self.t0 = time.time() - 300
+        self.sim = SimCluster(scenario, self.t0)
+        self.t = 0
+
+    def run(self, seconds: int, passes: bool = True) -> list[tuple[int, str, str]]:
+        """Advance; returns (second, kind, subject) of every finding opened meanwhile."""
+        opened = []
+        for _ in range(seconds):
+            self.t += 1
+            now = self.t0 + self.t
+            for batch in self.sim.tick(now):
+                store_batch(self.cluster, wire.validate_batch(batch))
+            if passes:
+                res = run_pass(self.cluster, now)
+                assert res.changes is not None
+                opened += [(self.t, f.kind, f.subject) for f in res.changes.opened]
+        return opened
+
+
+def test_it_names_the_starved_rank_and_nothing_else(world: World) -> None:
+    feed = Feed(world, [{"kind": "data_starvation", "at_s": 12, "rank": 13, "magnitude": 0.5}])
+    assert feed.run(11) == [], "a healthy start is quiet"
+    opened = feed.run(12)
+    assert [(k, s) for _, k, s in opened] == [("data_starvation", "llm/rank13")]
+    assert opened[0][0] - 12 <= 6, f"named {opened[0][0] - 12} s after the fault began"
+    f = Finding.objects.get(kind="data_starvation")
+    assert (f.rank, f.node.hostname, f.gpu_index, f.run.name, f.state) == (13, "node-003", 1, "llm", "open")
+    assert f.evidence["metrics"]["data_wait_share"] > 0.2
+    assert f.evidence["metrics"]["dataloader"]["num_workers"] == 8
+    assert "/mnt/nfs" in f.action and "0.9 ms RTT" in f.action
+    assert len(f.evidence["series"]["data_wait_s"]["rank"]) == len(f.evidence["series"]["data_wait_s"]["step"])
+
+
+def test_a_dead_node_is_named_and_the_stalled_run_is_not_also_reported_hung(world: World) -> None:
+    feed = Feed(world, [{"kind": "node_down", "at_s": 10, "node": 5}])
+    opened = feed.run(30)
+    assert [(k, s) for _, k, s in opened] == [("node_down", "node-005")]
+    assert opened[0][0] - 10 <= 5
+    f = Finding.objects.get(kind="node_down")
+    assert f.severity == "critical" and f.evidence["stalled_runs"] == ["llm"]
+    assert "llm/rank20" in f.evidence["metrics"]["ranks"]
+
+
+def test_lifecycle_escalates_then_resolves_after_the_hysteresis(world: World, django_capture_on_commit_callbacks:
+                                                                  Any) -> None:
+    seen: list[tuple[str, str, str]] = []
+
+    def receiver(sender: Any, finding: Finding, event: str, **kw: Any) -> None:
+        seen.append((event, finding.kind, finding.severity))
+
+    finding_changed.connect(receiver)
+    try:
+        feed = Feed(world, [{"kind": "straggler", "at_s": 5, "duration_s": 15, "rank": 6, "magnitude": 0.4},
+                            {"kind": "ecc_storm", "at_s": 5, "node": 2, "gpu": 1, "dbe_after_s": 6}])
+        with django_capture_on_commit_callbacks(execute=True):
+            feed.run(19)
+        assert ("opened", "straggler", "error") in seen
+        assert ("opened", "failing_gpu", "warning") in seen and ("escalated", "failing_gpu", "critical") in seen
+        straggler = Finding.objects.get(kind="straggler")
+        assert straggler.subject == "llm/rank6" and straggler.evidence["metrics"]["gpu"]["reasons"]
+        assert not Finding.objects.filter(kind="throttling").exists(), "the throttle is the straggler's evidence"
+        with django_capture_on_commit_callbacks(execute=True):
+            feed.run(12)  # the straggler healed at 20 s; the finding holds through the hysteresis
+        straggler.refresh_from_db()
+        assert straggler.state == "open" and straggler.clear_passes >= 2
+        with django_capture_on_commit_callbacks(execute=True):
+            feed.run(25)
+        straggler.refresh_from_db()
+        assert straggler.state == "resolved" and ("resolved", "straggler", "error") in seen
+        assert Finding.objects.filter(kind="straggler").count() == 1, "one row per episode: no flapping"
+        assert Finding.objects.get(kind="failing_gpu").state == "open", "hardware findings stay open longer"
+    finally:
+        finding_changed.disconnect(receiver)
+
+
+def test_the_scheduled_task_runs_every_active_cluster(world: World) -> None:
+    feed = Feed(world, [{"kind": "nccl_env_drift", "at_s": 3, "rank": 9}], nodes=4)
+    feed.t0 = time.time() - 8  # the task uses the wall clock
+    feed.sim = SimCluster(feed.sim.s, feed.t0)
+    feed.run(7, passes=False)
+    took = diagnose()
+    assert set(took) == {world.cluster.name}
+    assert Finding.objects.filter(kind="nccl_config", subject="llm/rank9", state="open").exists()
+
+
+def test_a_pass_reads_a_bounded_window(world: World, django_assert_max_num_queries: Any) -> None:
+    feed = Feed(world, [], nodes=4)
+    feed.run(40, passes=False)
+    with django_assert_max_num_queries(20):
+        res = run_pass(world.cluster, feed.t0 + feed.t)
+    assert res.detections == []
+    assert res.timings_s["total"] < 5
