@@ -11,20 +11,21 @@ import logging
 import threading
 from datetime import datetime
 
-from celery import current_app, shared_task
+from celery import shared_task
 from django.db import connection
 from django.utils import timezone
 
 from dashboard.alerts import conf
 from dashboard.alerts import delivery as attempts
 from dashboard.alerts.models import Delivery
+from dashboard.celery import app  # the project's app, configured from settings, whoever imports this first
 
 log = logging.getLogger(__name__)
 _sweeping = threading.Lock()
 
 
 def eager() -> bool:
-    return bool(current_app.conf.task_always_eager)
+    return bool(app.conf.task_always_eager)
 
 
 def enqueue(delivery_id: int, attempt: int, at: datetime | None) -> None:
