@@ -103,7 +103,7 @@ def _notify(cluster_id: int, changes: Changes) -> None:
     rows = [finding_row(f) for f in changes.visible]
     if rows:
         transaction.on_commit(
-            lambda: broadcast((cluster_group(cluster_id), {"type": "findings", "cluster": cluster_id, "findings": rows})))
+            lambda: broadcast(cluster_group(cluster_id), {"type": "findings", "cluster": cluster_id, "findings": rows}))
     for event, found in (("opened", changes.opened), ("escalated", changes.escalated),
                          ("resolved", changes.resolved)):
         for f in found:

@@ -43,6 +43,7 @@ STEP_FIELDS = _columns(wire.Step)
 EVENT_FIELDS = _columns(wire.Event)
 PROBE_FIELDS = _columns(wire.Probe)
 LAST_SEEN_EVERY_S = 5.0
+RUN_ADVANCE_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class _Inventory:
         self.runs: dict[tuple[int, str], int] = {}
         self.node_seen: dict[int, float] = {}
         self.run_meta: dict[tuple[int, int], dict[str, Any]] = {}
+        self.run_advanced: dict[int, tuple[int, float]] = {}
 
     def node_id(self, cluster: m.Cluster, host: str, agent_id: str) -> int:
         key = (cluster.id, host)
@@ -244,6 +246,11 @@ def _advance_runs(steps: list[dict[str, Any]], runs: dict[str, int]) -> None:
         if run_id not in last or s["step"] > last[run_id][0]:
             last[run_id] = (s["step"], s["ts"])
     for run_id, (step, ts) in last.items():
+        # Every node of a run reports the same steps: one UPDATE per run per second is enough, not one per batch.
+        seen = inventory.run_advanced.get(run_id)
+        if seen is not None and ts <= seen[1] + RUN_ADVANCE_EVERY_S:
+            continue
+        inventory.run_advanced[run_id] = (step, ts)
         # Batches from different nodes arrive in any order: only move forward in time (a restart from a checkpoint
         # legitimately moves the step number back, so time, not the step number, decides).
         when = _dt(ts)

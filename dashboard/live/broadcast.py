@@ -26,13 +26,25 @@ def run_group(run_id: int) -> str:
 
 
 def broadcast(group: str, event: dict[str, Any]) -> None:
-    """Send ``event`` to every browser in ``group``. Never raises: a live view is best effort, storage is not."""
-    check_event(event)
+    """Send ``event`` to every browser in ``group``."""
+    broadcast_all([(group, event)])
+
+
+def broadcast_all(messages: list[tuple[str, dict[str, Any]]]) -> None:
+    """Send each ``(group, event)`` to every browser in that group. Several messages travel in one hop to the event
+    loop (ingest sends two or three per batch). Never raises: a live view is best effort, storage is not."""
+    for _, event in messages:
+        check_event(event)
     layer = get_channel_layer()
-    if layer is None:
+    if layer is None or not messages:
         return
+
+    async def send_all() -> None:
+        for group, event in messages:
+            await layer.group_send(group, {"type": "live.event", "event": event})
+
     try:
-        async_to_sync(layer.group_send)(group, {"type": "live.event", "event": event})
+        async_to_sync(send_all)()
     except Exception as exc:  # a full channel or a Redis hiccup must not fail the ingest that already committed
-        log.warning("broadcast to %s failed: %s", group, exc)
+        log.warning("broadcast to %s failed: %s", [g for g, _ in messages], exc)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dashboard.live.broadcast import broadcast, cluster_group, run_group
+from dashboard.live.broadcast import broadcast_all, cluster_group, run_group
 from dashboard.live.state import get_state
 
 SEVERE = {"warning", "error", "critical"}
@@ -16,19 +16,21 @@ def publish_batch(cluster_id: int, host: str, batch: dict[str, Any], runs: dict[
         for g in batch["gpus"]
     ]
     get_state().record(cluster_id, host, gpus)
+    messages: list[tuple[str, dict[str, Any]]] = []
     if gpus:
-        broadcast(cluster_group(cluster_id), {"type": "gpus", "cluster": cluster_id, "gpus": gpus})
+        messages.append((cluster_group(cluster_id), {"type": "gpus", "cluster": cluster_id, "gpus": gpus}))
     by_run: dict[int, list[list[Any]]] = {}
     for s in batch["steps"]:
         by_run.setdefault(runs[s["run"]], []).append(
             [s["step"], s["rank"], s["ts"], s["step_time_s"], s["data_wait_s"], s["compute_s"], s["comm_s"], s["tokens"]]
         )
     for run_id, rows in by_run.items():
-        broadcast(run_group(run_id), {"type": "steps", "run": run_id, "steps": rows})
+        messages.append((run_group(run_id), {"type": "steps", "run": run_id, "steps": rows}))
     events = [
         {"ts": e["ts"], "host": host, "kind": e["kind"], "severity": e["severity"], "code": e["code"],
          "gpu_index": e["gpu_index"], "message": e["message"][:500]}
         for e in batch["events"] if e["severity"] in SEVERE
     ]
     if events:
-        broadcast(cluster_group(cluster_id), {"type": "events", "cluster": cluster_id, "events": events})
+        messages.append((cluster_group(cluster_id), {"type": "events", "cluster": cluster_id, "events": events}))
+    broadcast_all(messages)

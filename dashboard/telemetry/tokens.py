@@ -26,15 +26,35 @@ def create_token(cluster: Cluster, name: str = "") -> tuple[IngestToken, str]:
     return row, token
 
 
+# digest -> (row, checked at). Every node posts every second: a database round trip per request only to learn that
+# the token is still valid is most of an ingest's fixed cost. A revocation reaches other processes within this TTL.
+CACHE_TTL_S = 5.0
+_cache: dict[str, tuple[IngestToken, float]] = {}
+
+
 def lookup(token: str) -> IngestToken | None:
     """The live (not revoked) token row matching ``token``, or None."""
     if not token.startswith(PREFIX) or len(token) > 200:
         return None
+    digest = _digest(token)
+    hit = _cache.get(digest)
+    now = time.monotonic()
+    if hit is not None and now - hit[1] < CACHE_TTL_S:
+        return hit[0]
     prefix = token[len(PREFIX):].split("_", 1)[0]
     row = IngestToken.objects.select_related("cluster").filter(prefix=prefix, revoked_at=None).first()
-    if row is None or not hmac.compare_digest(row.digest, _digest(token)):
+    if row is None or not hmac.compare_digest(row.digest, digest):
+        _cache.pop(digest, None)
         return None
+    if len(_cache) > 10_000:  # bounded: a flood of distinct valid tokens cannot grow it without limit
+        _cache.clear()
+    _cache[digest] = (row, now)
     return row
+
+
+def clear_cache() -> None:
+    _cache.clear()
+    _last_marked.clear()
 
 
 _last_marked: dict[int, float] = {}
@@ -50,4 +70,6 @@ def mark_used(row: IngestToken) -> None:
 
 
 def revoke(prefix: str) -> bool:
-    return IngestToken.objects.filter(prefix=prefix, revoked_at=None).update(revoked_at=timezone.now()) == 1
+    done = IngestToken.objects.filter(prefix=prefix, revoked_at=None).update(revoked_at=timezone.now()) == 1
+    _cache.clear()  # this process stops accepting it at once; others within CACHE_TTL_S
+    return done

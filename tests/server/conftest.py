@@ -25,7 +25,7 @@ def _fresh_caches() -> Iterator[None]:
     from dashboard.telemetry import tokens
 
     clear_caches()
-    tokens._last_marked.clear()
+    tokens.clear_cache()
     state.get_state.cache_clear()
     live = state.get_state()
     if hasattr(live, "clear"):
