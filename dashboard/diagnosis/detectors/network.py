@@ -97,14 +97,17 @@ def _node_bad(w: Window, t: Thresholds, n: int, rows: np.ndarray, bad: np.ndarra
         per_bucket = [bad[0][sel & (bucket == b)].mean() for b in buckets]
         if frac >= t.node_bad_frac and min(per_bucket) >= 0.5 and len(np.unique(other[sel & bad[0]])) >= 2:
             hit = {"what": "rtt", "bad_frac": frac, "rows": np.nonzero(sel)[0]}
-    # Bandwidth: bulk transfers are rare (one peer per period), so look at the node's last few, wherever they are.
+    # Bandwidth: bulk transfers may be rare (the real source sends one peer a bulk transfer per period), so use the
+    # node's last few probe rounds that carried one, wherever they are in the window.
     has_bw = mine & ~np.isnan(p["bw_gbps"][rows])
-    last_bw = np.nonzero(has_bw)[0][np.argsort(p["ts"][rows][has_bw])][-6:]
-    if hit is None and len(last_bw) >= 2:
-        frac = bad[1][last_bw].mean()
-        if frac >= t.node_bad_frac and len(np.unique(bucket[last_bw][bad[1][last_bw]])) >= 2 and \
-                len(np.unique(other[last_bw])) >= (2 if len(w.nodes) > 2 else 1):
-            hit = {"what": "bw", "bad_frac": frac, "rows": last_bw}
+    bw_buckets = np.unique(bucket[has_bw])[-t.link_buckets:]
+    sel_bw = has_bw & np.isin(bucket, bw_buckets)
+    if hit is None and sel_bw.sum() >= 2 and len(bw_buckets) >= 2:
+        frac = bad[1][sel_bw].mean()
+        bad_bw = sel_bw & bad[1]
+        if frac >= t.node_bad_frac and len(np.unique(bucket[bad_bw])) >= 2 and \
+                len(np.unique(other[sel_bw])) >= (2 if len(w.nodes) > 2 else 1):
+            hit = {"what": "bw", "bad_frac": frac, "rows": np.nonzero(sel_bw)[0]}
     return hit
 
 

@@ -1,0 +1,308 @@
+"""Fault-injection suite for the diagnosis: precision, recall, time-to-detect, false findings on healthy runs.
+
+Runs the simulator in-process in *simulated* time (one tick per simulated second, no sleeping) and feeds its wire
+batches to the same window the server builds, then to the detectors, with the findings lifecycle's hysteresis.
+
+    python benchmarks/diagnosis.py                      # 8 and 64 nodes x 3 seeds, 512 nodes x 1 seed, healthy hour
+    python benchmarks/diagnosis.py --sizes 8 --seeds 5  # quicker
+    python benchmarks/diagnosis.py --db-pass 512        # also: one pass against the database at 512 nodes, timed
+
+Scoring. Each case injects one fault; the expected finding is (kind, subject). A finding opened during the case
+with that key is a true positive; any other finding opened is a false positive (a consequence that should have been
+folded into its root cause counts against precision too). Recall: faults whose expected finding opened. Time to
+detect: from when the fault becomes *visible in the data* (the first affected step for rank faults, the first
+batch after the injection for node/GPU/link faults, the moment the next step was due for a hang, the step at which
+the missed checkpoint was due) to the pass that opened the finding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from collectors.sim.model import SimCluster, node_name  # noqa: E402
+from collectors.sim.scenario import Fault, Scenario, parse  # noqa: E402
+from dashboard.diagnosis.detectors import Thresholds, run_all  # noqa: E402
+from dashboard.diagnosis.detectors.buffer import WindowBuffer  # noqa: E402
+
+T0 = 1_750_000_000.0
+RUN = "bench"
+CLEAR_AFTER_S = 30.0  # as the lifecycle: a finding resolves after its condition is gone this long
+KINDS = ("data_starvation", "straggler", "slow_link", "slow_link_bw", "link_flap", "ecc_storm", "xid", "xid_dbe",
+         "node_down", "hang", "nccl_socket_fallback", "nccl_env_drift", "checkpoint_stop", "memory_pressure")
+
+
+def make_fault(kind: str, rng: random.Random, nodes: int, gpus: int) -> dict[str, Any]:
+    """A fault of ``kind`` on a random subject with a random (realistic) strength."""
+    at = rng.randint(30, 45)
+    rank, node, gpu = rng.randrange(nodes * gpus), rng.randrange(nodes), rng.randrange(gpus)
+    f: dict[str, Any] = {"kind": kind, "at_s": at}
+    if kind == "data_starvation":
+        f.update(rank=rank, magnitude=rng.uniform(0.15, 0.8))
+    elif kind == "straggler":
+        f.update(rank=rank, magnitude=rng.uniform(0.15, 0.6))
+    elif kind == "slow_link":
+        f.update(node=node, magnitude=rng.uniform(0.3, 5.0))
+    elif kind == "slow_link_bw":
+        f.update(kind="slow_link", node=node, magnitude=rng.uniform(1.0, 4.0), mode="bandwidth")
+    elif kind == "link_flap":
+        f.update(node=node)
+    elif kind == "ecc_storm":
+        f.update(node=node, gpu=gpu, dbe_after_s=rng.randint(5, 30))
+    elif kind == "xid":
+        f.update(node=node, gpu=gpu, code=79)
+    elif kind == "xid_dbe":
+        f.update(kind="xid", node=node, gpu=gpu, code=rng.choice([48, 94, 95, 63, 74, 119]))
+    elif kind == "node_down":
+        f.update(node=node)
+    elif kind == "nccl_socket_fallback":
+        f.update(node=node)
+    elif kind in ("nccl_env_drift", "memory_pressure"):
+        f.update(rank=rank)
+        if kind == "memory_pressure":
+            f["magnitude"] = rng.uniform(0.93, 0.99)
+    elif kind == "checkpoint_stop":
+        f["at_s"] = 75 + rng.randint(0, 10)  # after two checkpoints (every 20 steps): the cadence is known
+    return f
+
+
+def expected_key(f: Fault) -> tuple[str, str]:
+    if f.kind in ("data_starvation", "straggler", "memory_pressure"):
+        return f.kind, f"{RUN}/rank{f.rank}"
+    if f.kind == "nccl_env_drift":
+        return "nccl_config", f"{RUN}/rank{f.rank}"
+    if f.kind in ("slow_link", "link_flap"):
+        return "slow_link", node_name(f.node or 0)
+    if f.kind in ("ecc_storm", "xid"):
+        return "failing_gpu", f"{node_name(f.node or 0)}/gpu{f.gpu}"
+    if f.kind == "node_down":
+        return "node_down", node_name(f.node or 0)
+    if f.kind == "nccl_socket_fallback":
+        return "nccl_config", node_name(f.node or 0)
+    if f.kind == "hang":
+        return "hang", RUN
+    if f.kind == "checkpoint_stop":
+        return "checkpoint_overdue", RUN
+    raise ValueError(f.kind)
+
+
+class Visibility:
+    """When the fault first shows in the data the server receives."""
+
+    def __init__(self, f: Fault, s: Scenario) -> None:
+        self.f, self.s = f, s
+        self.start = T0 + f.at_s
+        self.at: float | None = None
+        self.last_step_end = 0.0
+        self.step_times: list[float] = []
+
+    def see(self, now: float, batches: list[dict[str, Any]]) -> None:
+        if self.at is not None:
+            return
+        steps = [st for b in batches for st in b["steps"]]
+        for st in steps:
+            self._step(st)
+        if self.at is None and self.f.kind not in ("data_starvation", "straggler", "memory_pressure", "hang",
+                                                   "checkpoint_stop") and now >= self.start:
+            self.at = now
+        if self.f.kind == "hang" and now >= self.start and self.step_times:
+            due = self.last_step_end + statistics.median(self.step_times[-20:])
+            if now >= due and not any(st["ts"] > self.start for st in steps):
+                self.at = due
+
+    def _step(self, st: dict[str, Any]) -> None:
+        f = self.f
+        begin = st["ts"] - st["step_time_s"]
+        if st["rank"] == 0 and st["ts"] <= self.start:
+            self.last_step_end = max(self.last_step_end, st["ts"])
+            self.step_times.append(st["step_time_s"])
+        if f.kind in ("data_starvation", "straggler") and st["rank"] == f.rank and begin >= self.start:
+            self.at = st["ts"] if self.at is None else min(self.at, st["ts"])
+        elif f.kind == "memory_pressure" and st["rank"] == f.rank and st["mem_allocated_bytes"] >= 0.9 * \
+                st["mem_total_bytes"]:
+            self.at = st["ts"] if self.at is None else min(self.at, st["ts"])
+        elif f.kind == "checkpoint_stop" and st["rank"] == 0 and st["ts"] >= self.start and \
+                st["step"] % self.s.checkpoint_every == 0:
+            self.at = st["ts"]
+
+
+@dataclass
+class CaseResult:
+    name: str
+    nodes: int
+    expected: tuple[str, str] | None
+    opened: list[tuple[float, str, str]] = field(default_factory=list)
+    visible_at: float | None = None
+    pass_ms: list[float] = field(default_factory=list)
+    sim_s: float = 0.0
+
+    @property
+    def detected_at(self) -> float | None:
+        return next((t for t, k, s in self.opened if (k, s) == self.expected), None)
+
+    @property
+    def false(self) -> list[tuple[float, str, str]]:
+        return [o for o in self.opened if (o[1], o[2]) != self.expected]
+
+
+def run_case(scenario: Scenario, seconds: int, interval: float, t: Thresholds, name: str) -> CaseResult:
+    sim = SimCluster(scenario, T0)
+    buf = WindowBuffer()
+    fault = scenario.faults[0] if scenario.faults else None
+    res = CaseResult(name, scenario.nodes, expected_key(fault) if fault else None, sim_s=seconds)
+    vis = Visibility(fault, scenario) if fault else None
+    open_keys: dict[tuple[str, str], float] = {}  # key -> last time seen
+    next_pass = T0 + interval
+    for i in range(1, seconds + 1):
+        now = T0 + i
+        batches = sim.tick(now)
+        if vis:
+            vis.see(now, batches)
+        for b in batches:
+            buf.add(b)
+        if now + 1e-9 < next_pass:
+            continue
+        next_pass += interval
+        a = time.perf_counter()
+        keys = {d.key for d in run_all(buf.window(now), t)}
+        res.pass_ms.append(1000 * (time.perf_counter() - a))
+        for key in keys:
+            if key not in open_keys:
+                res.opened.append((now, *key))
+            open_keys[key] = now
+        for key in [k for k, seen in open_keys.items() if now - seen >= CLEAR_AFTER_S]:
+            del open_keys[key]
+    res.visible_at = vis.at if vis else None
+    return res
+
+
+def scenario_for(kind: str | None, nodes: int, gpus: int, seed: int) -> tuple[Scenario, int]:
+    rng = random.Random(f"{kind}-{nodes}-{seed}")
+    faults = [make_fault(kind, rng, nodes, gpus)] if kind else []
+    cluster: dict[str, Any] = {"nodes": nodes, "gpus_per_node": gpus, "run": RUN, "seed": seed,
+                               "step_time_s": rng.choice([0.5, 0.8, 1.2])}
+    if kind == "checkpoint_stop":
+        cluster["checkpoint_every"] = 20
+    seconds = (faults[0]["at_s"] + 45) if faults else 0
+    if kind == "checkpoint_stop":
+        seconds += 40
+    return parse({"cluster": cluster, "fault": faults}), seconds
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
+
+
+def report(results: list[CaseResult], healthy: list[CaseResult]) -> dict[str, float]:
+    tp = sum(1 for r in results if r.detected_at is not None)
+    fp = sum(len(r.false) for r in results)
+    ttd = [r.detected_at - r.visible_at for r in results if r.detected_at is not None and r.visible_at is not None]
+    hours = sum(h.sim_s for h in healthy) / 3600
+    false_h = sum(len(h.opened) for h in healthy)
+    print(f"\n{'kind':<22}{'cases':>6}{'recall':>8}{'false':>7}{'ttd p50':>9}{'ttd p90':>9}")
+    for kind in sorted({r.name for r in results}):
+        rs = [r for r in results if r.name == kind]
+        tt = [r.detected_at - r.visible_at for r in rs if r.detected_at is not None and r.visible_at is not None]
+        print(f"{kind:<22}{len(rs):>6}{sum(r.detected_at is not None for r in rs) / len(rs):>8.2f}"
+              f"{sum(len(r.false) for r in rs):>7}{pct(tt, 0.5):>8.1f}s{pct(tt, 0.9):>8.1f}s")
+    for r in results:
+        if r.detected_at is None or r.false:
+            print(f"  ! {r.name} @{r.nodes} nodes: expected {r.expected}, opened {[(round(t - T0), k, s) for t, k, s in r.opened]}")
+    for h in healthy:
+        for t, k, s in h.opened:
+            print(f"  ! healthy {h.nodes} nodes: false {k} {s} at {t - T0:.0f} s")
+    out = {"cases": len(results), "precision": tp / (tp + fp) if tp + fp else 1.0, "recall": tp / len(results),
+           "ttd_p50_s": pct(ttd, 0.5), "ttd_p90_s": pct(ttd, 0.9), "healthy_hours": hours,
+           "false_per_hour": false_h / hours if hours else float("nan")}
+    print(f"\nprecision {out['precision']:.3f}  recall {out['recall']:.3f}  time-to-detect p50 {out['ttd_p50_s']:.1f} s "
+          f"p90 {out['ttd_p90_s']:.1f} s  ({len(results)} fault cases)")
+    print(f"healthy: {false_h} false finding(s) in {hours:.2f} simulated hours = {out['false_per_hour']:.2f} per hour")
+    return out
+
+
+def db_pass(nodes: int, seconds: int) -> None:
+    """Feed ``seconds`` of a ``nodes``-node cluster through the real ingest writer and time the diagnosis pass."""
+    import tempfile
+
+    if not os.environ.get("DATABASE_URL"):
+        tmp = tempfile.mkdtemp(prefix="cdx-bench-")
+        os.environ["CLUSTERDX_DATA_DIR"] = tmp
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    from clusterdx import wire
+    from dashboard.diagnosis.tasks import run_pass
+    from dashboard.ingest.writer import store_batch
+    from dashboard.telemetry.models import Cluster
+
+    call_command("migrate", verbosity=0)
+    cluster, _ = Cluster.objects.get_or_create(name=f"bench-{nodes}-{int(time.time())}")
+    scenario, _ = scenario_for(None, nodes, 8, 1)
+    start = time.time() - seconds - 5
+    sim = SimCluster(scenario, start)
+    a = time.perf_counter()
+    for i in range(1, seconds + 1):
+        for b in sim.tick(start + i):
+            store_batch(cluster, wire.validate_batch(b))
+    print(f"db: stored {seconds} s of {nodes} nodes x 8 GPUs in {time.perf_counter() - a:.0f} s", flush=True)
+    took = []
+    for _ in range(5):
+        res = run_pass(cluster, start + seconds)
+        took.append(res.timings_s)
+    for key in ("load", "detect", "reconcile", "total"):
+        vals = [tk[key] for tk in took]
+        print(f"db pass at {nodes} nodes / {nodes * 8} GPUs: {key:<9} median {statistics.median(vals) * 1000:7.0f} ms"
+              f"  max {max(vals) * 1000:7.0f} ms")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[8, 64], help="node counts for every fault kind")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--big", type=int, default=512, help="also run every kind once at this size (0: skip)")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS))
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between passes (server: DIAGNOSIS_INTERVAL_S)")
+    p.add_argument("--healthy-s", type=int, default=3600, help="healthy run length at the smallest size")
+    p.add_argument("--healthy-sizes", type=int, nargs="+", default=[8, 64])
+    p.add_argument("--db-pass", type=int, default=0, help="time one database-backed pass at this many nodes")
+    p.add_argument("--db-seconds", type=int, default=22)
+    args = p.parse_args()
+    t = Thresholds()
+    results, healthy = [], []
+    started = time.perf_counter()
+    plan = [(k, n, s) for n in args.sizes for k in args.kinds for s in range(1, args.seeds + 1)]
+    plan += [(k, args.big, 1) for k in args.kinds] if args.big else []
+    for kind, nodes, seed in plan:
+        scenario, seconds = scenario_for(kind, nodes, 8, seed)
+        results.append(run_case(scenario, seconds, args.interval, t, kind))
+    for i, nodes in enumerate(args.healthy_sizes):
+        scenario, _ = scenario_for(None, nodes, 8, 11 + i)
+        seconds = args.healthy_s if i == 0 else max(300, args.healthy_s // (nodes // args.healthy_sizes[0]))
+        healthy.append(run_case(scenario, seconds, args.interval, t, "healthy"))
+    report(results, healthy)
+    for size in sorted({r.nodes for r in results}):
+        ms = [m for r in results if r.nodes == size for m in r.pass_ms]
+        print(f"pure detector pass at {size:4d} nodes: p50 {pct(ms, 0.5):6.1f} ms  p99 {pct(ms, 0.99):6.1f} ms")
+    print(f"(pass every {args.interval:g} simulated s; wall time {time.perf_counter() - started:.0f} s)")
+    if args.db_pass:
+        db_pass(args.db_pass, args.db_seconds)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
