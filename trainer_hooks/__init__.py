@@ -15,9 +15,9 @@ from typing import Any
 
 from trainer_hooks.meta import PEAK_FLOPS, peak_flops
 from trainer_hooks.monitor import Monitor
-from trainer_hooks.timing import CpuClock, CudaClock, StepTimer
+from trainer_hooks.timing import CpuClock, CudaClock, FinishedStep, StepTimer
 
-__all__ = ["PEAK_FLOPS", "CpuClock", "CudaClock", "HFCallback", "LightningCallback", "Monitor", "StepTimer",
+__all__ = ["PEAK_FLOPS", "CpuClock", "CudaClock", "FinishedStep", "HFCallback", "LightningCallback", "Monitor", "StepTimer",
            "peak_flops"]
 
 _ADAPTERS = {"LightningCallback": "trainer_hooks.lightning", "HFCallback": "trainer_hooks.hf"}

@@ -64,6 +64,11 @@ def identity(env: dict[str, str] | None = None) -> Identity:
     return Identity(0, 1, local, "default")
 
 
+def dist_initialized() -> bool:
+    """Cheap enough to ask every step until the answer is yes."""
+    return _dist() is not None
+
+
 def _dist() -> Any:
     """torch.distributed when a process group is initialised, else None."""
     torch = sys.modules.get("torch")

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from trainer_hooks import meta
-from trainer_hooks.timing import CudaClock, StepTimer, perf_counter
+from trainer_hooks.timing import CudaClock, FinishedStep, StepTimer, perf_counter
 from trainer_hooks.transport import Config, Shipper
 
 _META_EVERY_S = 300.0  # re-send the run metadata this often even unchanged: an agent or server may have restarted
@@ -87,7 +87,7 @@ class Monitor:
     def begin_step(self, step: int | None = None, tokens: int | None = None, samples: int | None = None) -> None:
         if not self._started:
             self._start()
-        elif not self._dist_seen:
+        elif not self._dist_seen and meta.dist_initialized():  # init_process_group after Monitor(): new rank
             self._refresh_identity()
         self.timer.begin(step, tokens, samples)
 
@@ -219,8 +219,8 @@ class Monitor:
             self.timer.rank = current.rank
             self._meta_dirty = True
 
-    def _emit_step(self, record: dict[str, Any]) -> None:
-        self.shipper.put("steps", record)
+    def _emit_step(self, step: FinishedStep) -> None:
+        self.shipper.put("steps", step)
 
     def _nonfinite(self, step: int, key: str) -> None:
         if key in self._warned_metrics:

@@ -104,29 +104,38 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-class _Finished:
-    """A step whose host times are known and whose clock marks may still be in flight on the GPU."""
+class FinishedStep:
+    """A step whose host times are known and whose clock marks may still be in flight on the GPU.
 
-    __slots__ = ("begin", "comms", "data_wait", "end", "lead", "mem", "metrics", "phases", "samples", "step",
-                 "step_time", "tokens", "ts")
+    The timer hands these to ``emit`` once they can be read; :meth:`as_record` turns one into a wire ``Step``
+    dict. That work (float formatting, interval union, event reads) is left to whoever ships the step — the
+    Monitor's background thread — so the training thread pays only for the clock reads."""
 
-    def __init__(self, step: int, ts: float, step_time: float, data_wait: float | None, lead: float, begin: Any,
-                 end: Any, phases: list[Any], comms: list[Any], tokens: int | None, samples: int | None,
-                 metrics: dict[str, Any], mem: tuple[int | None, int | None]) -> None:
+    __slots__ = ("begin", "comms", "data_wait", "end", "lead", "mem", "metrics", "phases", "rank", "samples", "step",
+                 "step_time", "timed", "timer", "tokens", "ts")
+
+    def __init__(self, timer: StepTimer, step: int, ts: float, step_time: float, data_wait: float | None,
+                 lead: float, begin: Any, end: Any, phases: list[Any], comms: list[Any], tokens: int | None,
+                 samples: int | None, metrics: dict[str, Any], mem: tuple[int | None, int | None]) -> None:
+        self.timer, self.rank, self.timed = timer, timer.rank, True
         self.step, self.ts, self.step_time, self.data_wait, self.lead = step, ts, step_time, data_wait, lead
         self.begin, self.end, self.phases, self.comms = begin, end, phases, comms
         self.tokens, self.samples, self.metrics, self.mem = tokens, samples, metrics, mem
 
+    def as_record(self) -> dict[str, Any]:
+        return self.timer._record(self)
+
 
 class StepTimer:
-    """Measures steps and hands finished records (plain dicts shaped as wire ``Step``) to ``emit``.
+    """Measures steps and hands each :class:`FinishedStep` to ``emit`` once its marks are readable (at the next
+    ``begin``, or ``poll``); the step's ``as_record()`` is its wire ``Step`` dict.
 
     Call order per step: ``fetch_begin``/``fetch_end`` (optional), ``begin``, any number of ``phase_*`` and
     ``comm_*``, ``end``. ``comm_begin``/``comm_end`` may be called from another thread (gloo completes
     collectives on its own threads). Nothing here raises into the training loop for bad timing data.
     """
 
-    def __init__(self, run: str, rank: int, emit: Callable[[dict[str, Any]], None], clock: Clock | None = None,
+    def __init__(self, run: str, rank: int, emit: Callable[[FinishedStep], None], clock: Clock | None = None,
                  max_pending: int = 8) -> None:
         self.run, self.rank, self._emit = run, rank, emit
         self.clock: Clock = clock or CpuClock()
@@ -135,7 +144,7 @@ class StepTimer:
         self.on_nonfinite: Callable[[int, str], None] | None = None
         self.late = 0  # steps shipped without GPU timings because their events were not done in time
         self.step = 0  # the number the next step gets
-        self._pending: deque[_Finished] = deque()
+        self._pending: deque[FinishedStep] = deque()
         self._fetch: tuple[float, float] | None = None
         self._fetch_t0 = 0.0
         self._open = False
@@ -187,8 +196,8 @@ class StepTimer:
         fetch, self._fetch = self._fetch, None
         start = fetch[0] if fetch is not None else self._begin_host
         mem = self._mem() if self._mem is not None else (None, None)
-        done = _Finished(
-            step, time.time(), end_host - start, (fetch[1] - fetch[0]) if fetch is not None else None,
+        done = FinishedStep(
+            self, step, time.time(), end_host - start, (fetch[1] - fetch[0]) if fetch is not None else None,
             self._begin_host - start, self._begin_mark, end_mark, self._phases, self._comms, tokens, samples,
             self._metrics, mem,
         )
@@ -218,10 +227,11 @@ class StepTimer:
             if force and hasattr(oldest.end, "synchronize"):
                 oldest.end.synchronize()
             if clock.ready(oldest.end):
-                self._emit(self._record(pending.popleft(), timed=True))
+                self._emit(pending.popleft())
             elif len(pending) > self.max_pending:
                 self.late += 1
-                self._emit(self._record(pending.popleft(), timed=False))
+                oldest.timed = False
+                self._emit(pending.popleft())
             else:
                 return
 
@@ -252,15 +262,20 @@ class StepTimer:
         self._mem = probe
 
     # -- turning marks into a wire record --------------------------------------------------------------------------
-    def _record(self, done: _Finished, timed: bool) -> dict[str, Any]:
+    def _record(self, done: FinishedStep) -> dict[str, Any]:
         rec: dict[str, Any] = {
-            "run": self.run, "rank": self.rank, "step": done.step, "ts": done.ts,
+            "run": self.run, "rank": done.rank, "step": done.step, "ts": done.ts,
             "step_time_s": max(0.0, done.step_time),
         }
         if done.data_wait is not None:
             rec["data_wait_s"] = max(0.0, done.data_wait)
-        if timed:
-            self._timings(done, rec)
+        if done.timed:
+            try:
+                self._timings(done, rec)
+            except RuntimeError:  # a mark recorded on another stream was not done yet: ship without GPU times
+                self.late += 1
+                for key in ("comm_s", "comm_arrive_s", "compute_s", "phases"):
+                    rec.pop(key, None)
         self._release(done)
         for key, value in (("tokens", done.tokens), ("samples", done.samples)):
             if value is not None:
@@ -278,7 +293,7 @@ class StepTimer:
             rec["mem_reserved_bytes"] = reserved
         return rec
 
-    def _timings(self, done: _Finished, rec: dict[str, Any]) -> None:
+    def _timings(self, done: FinishedStep, rec: dict[str, Any]) -> None:
         seconds, begin = self.clock.seconds, done.begin
         body = seconds(begin, done.end)
         comm = 0.0
@@ -294,7 +309,7 @@ class StepTimer:
                 phases[name] = phases.get(name, 0.0) + max(0.0, seconds(a, b))
             rec["phases"] = phases
 
-    def _release(self, done: _Finished) -> None:
+    def _release(self, done: FinishedStep) -> None:
         release = self.clock.release
         if not self.clock.deferred:
             return

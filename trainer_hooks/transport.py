@@ -34,7 +34,7 @@ import urllib.error
 import urllib.request
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,8 +44,15 @@ from trainer_hooks.meta import ident
 log = logging.getLogger("trainer_hooks")
 
 KINDS = ("steps", "runs", "events")
+Encoded = list[tuple[str, bytes]]  # (kind, one record's JSON)
 _PER_DATAGRAM = {"steps": 1000, "runs": 64, "events": 1000}  # HookDatagram list bounds
-_PER_BATCH = 5000
+_PER_BATCH = {"steps": 20_000, "runs": 1024, "events": 10_000}  # Batch list bounds
+_PER_TAKE = 5000
+_HEAD_RESERVE = 2048  # envelope, list keys and the drop counts around the records
+_DATAGRAM_BUDGET = wire.MAX_DATAGRAM_BYTES - _HEAD_RESERVE
+_BATCH_BUDGET = wire.MAX_BATCH_BYTES - _HEAD_RESERVE
+_RECORD_BUDGET = _DATAGRAM_BUDGET
+_dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 _AGENT_RETRY_S = 10.0  # after the agent was found missing, try it again this often
 
 
@@ -115,9 +122,10 @@ class Shipper:
         self.pid = os.getpid()
         self.agent_id = ident(f"hook-{host}-{self.pid}-{int(time.time())}")
         self.seq = 0
+        self._datagram_head = _dumps({"v": 1, "host": host, "pid": self.pid})[:-1].encode()
         self.dropped: dict[str, int] = {}
         self.sent = {"datagrams": 0, "batches": 0, "records": 0}
-        self._queue: deque[tuple[str, dict[str, Any]]] = deque()
+        self._queue: deque[tuple[str, Any]] = deque()
         self._off = config.mode == "off"
         self._wake = threading.Event()
         self._closing = False
@@ -133,7 +141,8 @@ class Shipper:
         _LIVE.add(self)
 
     # -- training thread -------------------------------------------------------------------------------------------
-    def put(self, kind: str, record: dict[str, Any]) -> None:
+    def put(self, kind: str, record: Any) -> None:
+        """``record``: a wire dict, or an object whose ``as_record()`` makes one (rendered on the shipping thread)."""
         if self._off:
             return
         if len(self._queue) >= self.config.queue_size:
@@ -219,39 +228,58 @@ class Shipper:
         while self._queue:
             self._busy = True
             try:
-                self._ship(self._take(_PER_BATCH))
+                self._ship(self._encode(self._take(_PER_TAKE)))
             finally:
                 self._busy = False
 
-    def _take(self, limit: int) -> dict[str, list[dict[str, Any]]]:
-        out: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
-        queue = self._queue
+    def _take(self, limit: int) -> list[tuple[str, Any]]:
+        queue, out = self._queue, []
         for _ in range(limit):
             try:
-                kind, record = queue.popleft()
+                out.append(queue.popleft())
             except IndexError:
                 break
-            out[kind].append(record)
         return out
 
-    def _ship(self, records: dict[str, list[dict[str, Any]]]) -> None:
+    def _encode(self, items: list[tuple[str, Any]]) -> Encoded:
+        """Each record encoded once, whichever way it then travels; sizes are exact from here on."""
+        out: Encoded = []
+        for n, (kind, record) in enumerate(items):
+            try:
+                if type(record) is not dict:  # a measured step, turned into its wire dict here, off the hot path
+                    record = record.as_record()
+                blob = _dumps(record).encode()
+            except Exception as exc:  # NaN, a stray object, a bug upstream: it costs this record, nothing more
+                self.drop("unencodable", 1)
+                self.warn_once("unencodable_detail", f"clusterdx hooks: a record could not be encoded: {exc!r}")
+                continue
+            if len(blob) > _RECORD_BUDGET:
+                self.drop("too_large", 1)
+                continue
+            out.append((kind, blob))
+            if n % 256 == 255:
+                time.sleep(0)  # hand the GIL back to the training thread between slices of a backlog
+        return out
+
+    def _ship(self, items: Encoded) -> None:
         mode = self.config.mode
         if mode in ("auto", "agent") and time.monotonic() >= self._agent_down_until:
-            records = self._to_agent(records)
-            if not _count(records):
+            items = self._to_agent(items)
+            if not items:
                 return
             if mode == "agent":
-                self.drop("agent_unreachable", _count(records))
+                self.drop("agent_unreachable", len(items))
                 return
         if self.config.server and mode in ("auto", "server"):
-            self._to_server(records)
+            for batch in _pack(items, _BATCH_BUDGET, _PER_BATCH):
+                self._to_server(batch)
         else:
-            self.drop("agent_unreachable", _count(records))
+            self.drop("agent_unreachable", len(items))
 
     # -- UDP to the agent ------------------------------------------------------------------------------------------
-    def _to_agent(self, records: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    def _to_agent(self, items: Encoded) -> Encoded:
         """Sends datagrams; returns what could not be delivered (for the server, or to drop)."""
-        chunks = list(self._datagrams(records))
+        chunks = list(_pack(items, _DATAGRAM_BUDGET, _PER_DATAGRAM))
         for i, chunk in enumerate(chunks):
             if i:
                 time.sleep(0.001)  # a backlog goes out as a burst; pace it so the agent's socket buffer keeps up
@@ -259,26 +287,17 @@ class Shipper:
                 self._agent_down_until = time.monotonic() + _AGENT_RETRY_S
                 self.warn_once("agent_down", f"clusterdx hooks: no agent listens on {self.config.agent_addr}; "
                                + ("posting to the server" if self.config.server else "records are dropped"))
-                return _merge(chunks[i:])
+                return [item for rest in chunks[i:] for item in rest]
         self._agent_down_until = 0.0
-        return {kind: [] for kind in KINDS}
+        return []
 
-    def _datagrams(self, records: dict[str, list[dict[str, Any]]]) -> Any:
-        """Slices of ``records`` within the datagram's list bounds (size is checked when encoding)."""
-        while _count(records):
-            chunk = {kind: records[kind][:_PER_DATAGRAM[kind]] for kind in KINDS}
-            records = {kind: records[kind][_PER_DATAGRAM[kind]:] for kind in KINDS}
-            yield chunk
-
-    def _send_datagram(self, chunk: dict[str, list[dict[str, Any]]]) -> bool:
-        payload = self._encode_datagram(chunk)
-        if payload is None:
-            return True  # split and sent piecewise, or too large and counted
+    def _send_datagram(self, chunk: Encoded) -> bool:
+        payload = _assemble(self._datagram_head, chunk, self.dropped)
         try:
             sock = self._socket()
             sock.send(payload)
         except BlockingIOError:  # our socket buffer is full: the agent is alive but behind; shed, don't stall
-            self.drop("socket_full", _count(chunk))
+            self.drop("socket_full", len(chunk))
             return True
         except OSError:
             return False
@@ -289,24 +308,8 @@ class Shipper:
         except OSError:
             return False
         self.sent["datagrams"] += 1
-        self.sent["records"] += _count(chunk)
+        self.sent["records"] += len(chunk)
         return True
-
-    def _encode_datagram(self, chunk: dict[str, list[dict[str, Any]]]) -> bytes | None:
-        body: dict[str, Any] = {"v": 1, "host": self.host, "pid": self.pid}
-        body.update((kind, chunk[kind]) for kind in KINDS if chunk[kind])
-        if self.dropped:
-            body["dropped"] = dict(self.dropped)
-        payload = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
-        if len(payload) <= wire.MAX_DATAGRAM_BYTES:
-            return payload
-        if _count(chunk) == 1:
-            self.drop("too_large", 1)
-            return None
-        for half in _halves(chunk):
-            if not self._send_datagram(half):
-                raise OSError(errno.ECONNREFUSED, "agent went away mid-split")
-        return None
 
     def _socket(self) -> socket.socket:
         if self._sock is None:
@@ -319,33 +322,29 @@ class Shipper:
         return self._sock
 
     # -- HTTP to the server ----------------------------------------------------------------------------------------
-    def _to_server(self, records: dict[str, list[dict[str, Any]]]) -> None:
+    def _to_server(self, items: Encoded) -> None:
         self.seq += 1
-        batch: dict[str, Any] = {"v": 1, "agent_id": self.agent_id, "seq": self.seq, "host": self.host,
-                                 "sent_at": time.time()}
-        batch.update((kind, records[kind]) for kind in KINDS if records[kind])
-        if self.dropped:
-            batch["dropped"] = dict(self.dropped)
-        body = json.dumps(batch, separators=(",", ":"), allow_nan=False).encode()
-        count = _count(records)
+        head = _dumps({"v": 1, "agent_id": self.agent_id, "seq": self.seq, "host": self.host,
+                       "sent_at": time.time()})[:-1].encode()
+        body = _assemble(head, items, self.dropped)
         attempts = 1 + self.config.retries
         for attempt in range(attempts):
             try:
                 self._post(body)
             except _Rejected as exc:
-                self.drop("server_rejected", count)
+                self.drop("server_rejected", len(items))
                 self.warn_once("server_rejected_detail", f"clusterdx hooks: the server refused a batch: {exc}")
                 return
             except (OSError, urllib.error.URLError) as exc:  # connection refused, timeout, 5xx, 429
                 if self._closing or attempt + 1 == attempts:
-                    self.drop("server_unreachable", count)
+                    self.drop("server_unreachable", len(items))
                     self.warn_once("server_unreachable_detail", f"clusterdx hooks: cannot post to "
                                    f"{self.config.server}: {exc}")
                     return
                 time.sleep(self.config.backoff[min(attempt, len(self.config.backoff) - 1)])
             else:
                 self.sent["batches"] += 1
-                self.sent["records"] += count
+                self.sent["records"] += len(items)
                 return
 
     def _post(self, body: bytes) -> None:
@@ -373,18 +372,34 @@ def _reason(exc: urllib.error.HTTPError) -> str:
         return str(exc.reason)
 
 
-def _count(records: dict[str, list[dict[str, Any]]]) -> int:
-    return sum(len(v) for v in records.values())
+def _pack(items: Encoded, budget: int, per_kind: dict[str, int]) -> Iterator[Encoded]:
+    """Consecutive runs of ``items`` whose encoded size fits ``budget`` and whose lists fit the wire's bounds."""
+    chunk: Encoded = []
+    size, counts = 0, dict.fromkeys(KINDS, 0)
+    for kind, blob in items:
+        if chunk and (size + len(blob) + 1 > budget or counts[kind] >= per_kind[kind]):
+            yield chunk
+            chunk, size, counts = [], 0, dict.fromkeys(KINDS, 0)
+        chunk.append((kind, blob))
+        size += len(blob) + 1
+        counts[kind] += 1
+    if chunk:
+        yield chunk
 
 
-def _merge(chunks: list[dict[str, list[dict[str, Any]]]]) -> dict[str, list[dict[str, Any]]]:
-    return {kind: [r for chunk in chunks for r in chunk[kind]] for kind in KINDS}
-
-
-def _halves(chunk: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, list[dict[str, Any]]], ...]:
-    flat = [(kind, r) for kind in KINDS for r in chunk[kind]]
-    mid = len(flat) // 2
-    return tuple({kind: [r for k, r in part if k == kind] for kind in KINDS} for part in (flat[:mid], flat[mid:]))
+def _assemble(head: bytes, items: Encoded, dropped: dict[str, int]) -> bytes:
+    """``head`` is an encoded object without its closing brace; the record lists and drop counts are appended."""
+    lists: dict[str, list[bytes]] = {kind: [] for kind in KINDS}
+    for kind, blob in items:
+        lists[kind].append(blob)
+    body = bytearray(head)
+    for kind, blobs in lists.items():
+        if blobs:
+            body += b',"' + kind.encode() + b'":[' + b",".join(blobs) + b"]"
+    if dropped:
+        body += b',"dropped":' + _dumps(dict(dropped)).encode()
+    body += b"}"
+    return bytes(body)
 
 
 # ---------------------------------------------------------------------------------------------------------------

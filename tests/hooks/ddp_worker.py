@@ -34,7 +34,7 @@ def gradients_match(rank: int) -> dict[str, object]:
     # A tiny bucket cap gives several buckets, hence several timed all-reduces per step.
     hooked = DDP(copy.deepcopy(base), bucket_cap_mb=0.01)
     records: list[dict[str, object]] = []
-    timer = StepTimer("grad-check", rank, records.append)
+    timer = StepTimer("grad-check", rank, lambda step: records.append(step.as_record()))
     register_comm_hook(hooked, timer)
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data, so the all-reduce matters
     x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 1, generator=gen)

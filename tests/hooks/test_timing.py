@@ -55,7 +55,7 @@ def test_union_length_counts_overlap_once():
 
 def test_a_cpu_step_adds_up_and_validates():
     records: list[dict] = []
-    timer = StepTimer("r", 3, records.append)
+    timer = StepTimer("r", 3, lambda step: records.append(step.as_record()))
     timer.add_fetch(10.0, 10.2)  # the loader's own clock reads
     timer.begin(step=7, tokens=4096, samples=8)
     token = timer.comm_begin()
@@ -76,7 +76,7 @@ def test_a_cpu_step_adds_up_and_validates():
 def test_deferred_marks_are_read_only_once_done_and_late_steps_go_without_gpu_times():
     records: list[dict] = []
     clock = LateClock()
-    timer = StepTimer("r", 0, records.append, clock=clock, max_pending=2)
+    timer = StepTimer("r", 0, lambda step: records.append(step.as_record()), clock=clock, max_pending=2)
     for _ in range(3):
         timer.begin()
         clock.now += 1.0
@@ -117,7 +117,7 @@ def test_the_cuda_clock_recycles_its_events():
 def test_a_step_that_raises_is_not_reported(hook_env):
     mon = Monitor(run="boom", transport="off")
     sent: list = []
-    mon.timer._emit = sent.append
+    mon.timer._emit = lambda step: sent.append(step.as_record())
     with pytest.raises(RuntimeError), mon.step():
         raise RuntimeError("OOM")
     with mon.step():
@@ -134,7 +134,7 @@ def test_a_non_finite_loss_becomes_an_event_once(hook_env):
         with mon.step():
             mon.log(loss=float("nan"), grad_norm=torch.tensor(1.5))
     mon.flush()
-    steps = [r for k, r in queued if k == "steps"]
+    steps = [r.as_record() for k, r in queued if k == "steps"]
     events = [r for k, r in queued if k == "events"]
     assert [s["metrics"] for s in steps] == [{"grad_norm": 1.5}] * 3
     assert [(e["kind"], e["severity"], e["step"]) for e in events] == [("hook", "warning", 0)]

@@ -1,0 +1,203 @@
+"""How much the training hooks add to a step, against a bare loop and against Lightning's ThroughputMonitor.
+
+    .venv/bin/python benchmarks/hooks.py [--steps 20000] [--rounds 5] [--work-us 50] [--json]
+
+1. Plain loop. The same loop bare, with the two lines (``mon.loader`` + ``mon.step``), and fully dressed
+   (plus two phases and ``mon.log(loss=...)``), in interleaved rounds so drift hits all three alike. A step is
+   ``--work-us`` of busy Python work. Per-step times come from consecutive clock reads; the overhead is the
+   difference of the p50, p99 and mean against the bare loop. The Monitor ships for real: over UDP to a socket
+   that stands in for the agent, so the background thread's JSON encoding competes for the GIL as it would.
+2. Inside a real ``lightning.Trainer`` run on the CPU, ThroughputMonitor and our LightningCallback side by side in
+   the same run: each is wrapped by a probe that times every hook call it gets (less the probe's own cost,
+   measured on an empty callback), summed per training step.
+
+On CUDA ThroughputMonitor also calls ``torch.cuda.synchronize()`` every step; the hooks never do. This CPU
+benchmark cannot show that difference, only the Python cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer_hooks import Monitor
+
+ns = time.perf_counter_ns
+
+
+def busy(us: float) -> Callable[[], None]:
+    """A step's worth of Python work that neither sleeps nor releases the GIL."""
+    ns_budget = int(us * 1000)
+
+    def work() -> None:
+        end = ns() + ns_budget
+        while ns() < end:
+            pass
+
+    return work
+
+
+def bare_loop(steps: int, work: Callable[[], None]) -> list[int]:
+    stamps = [0] * steps
+    for i in range(steps):
+        work()
+        stamps[i] = ns()
+    return stamps
+
+
+def monitor_loop(mon: Monitor, steps: int, work: Callable[[], None], full: bool) -> list[int]:
+    stamps = [0] * steps
+    for i in mon.loader(range(steps)):
+        with mon.step(tokens=4096, samples=8):
+            if full:
+                with mon.phase("forward"):
+                    work()
+                with mon.phase("backward"):
+                    pass
+                mon.log(loss=1.25)
+            else:
+                work()
+        stamps[i] = ns()
+    return stamps
+
+
+def per_step_us(stamps: list[int]) -> list[float]:
+    return [(b - a) / 1000 for a, b in itertools.pairwise(stamps)]
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {"p50": ordered[len(ordered) // 2], "p99": ordered[int(len(ordered) * 0.99)],
+            "mean": statistics.fmean(ordered)}
+
+
+def plain(steps: int, rounds: int, work_us: float) -> dict[str, Any]:
+    mon = Monitor(run="bench", queue_size=100_000)
+    work = busy(work_us)
+    times: dict[str, list[float]] = {"bare": [], "two lines": [], "full": []}
+    monitor_loop(mon, 2000, work, full=True)  # warm-up: first-step metadata, thread start
+    for _ in range(rounds):
+        times["bare"] += per_step_us(bare_loop(steps, work))
+        times["two lines"] += per_step_us(monitor_loop(mon, steps, work, full=False))
+        times["full"] += per_step_us(monitor_loop(mon, steps, work, full=True))
+    mon.close()
+    stats = {name: summary(values) for name, values in times.items()}
+    base = stats["bare"]
+    overhead = {name: {k: s[k] - base[k] for k in s} for name, s in stats.items() if name != "bare"}
+    return {"per_step_us": stats, "overhead_us": overhead, "dropped": mon.stats()["dropped"],
+            "steps": steps * rounds, "work_us": work_us}
+
+
+def lightning_side_by_side(steps: int) -> dict[str, Any]:
+    import lightning
+    import torch
+    from lightning.pytorch.callbacks import Callback, ThroughputMonitor
+
+    from trainer_hooks import LightningCallback
+
+    class Probe(Callback):
+        """Forwards every hook to ``inner`` and sums the time the inner callback takes per training step."""
+
+        def __init__(self, inner: Callback) -> None:
+            self.inner, self.per_step, self._acc = inner, [], 0
+            for name in ("setup", "on_train_start", "on_train_epoch_start", "on_train_batch_start",
+                         "on_train_batch_end", "on_save_checkpoint", "teardown"):
+                setattr(self, name, self._timed(getattr(inner, name), name == "on_train_batch_end"))
+
+        def _timed(self, hook: Callable[..., Any], closes_step: bool) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                start = ns()
+                result = hook(*args, **kwargs)
+                self._acc += ns() - start
+                if closes_step:
+                    self.per_step.append(self._acc / 1000)
+                    self._acc = 0
+                return result
+
+            return call
+
+    class Tiny(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    probes = {"empty callback (probe cost)": Probe(Callback()),
+              "ThroughputMonitor": Probe(ThroughputMonitor(batch_size_fn=lambda b: b[0].shape[0])),
+              "trainer_hooks.LightningCallback": Probe(LightningCallback(run="bench-pl", queue_size=100_000))}
+    data = torch.utils.data.TensorDataset(torch.randn(steps * 2, 4))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    trainer = lightning.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                log_every_n_steps=50, callbacks=list(probes.values()))
+    started = time.perf_counter()
+    trainer.fit(Tiny(), loader)
+    wall = time.perf_counter() - started
+    probes["trainer_hooks.LightningCallback"].inner.monitor.close()
+    probe_cost = summary(probes["empty callback (probe cost)"].per_step[100:])
+    out = {name: {k: v - probe_cost[k] for k, v in summary(p.per_step[100:]).items()}
+           for name, p in probes.items() if not name.startswith("empty")}
+    return {"per_step_us": out, "probe_cost_us": probe_cost, "steps": steps, "trainer_step_us": wall / steps * 1e6}
+
+
+def print_report(result: dict[str, Any]) -> None:
+    p = result["plain"]
+    print(f"Plain loop: {p['steps']} steps of {p['work_us']:g} µs busy work, interleaved rounds")
+    print(f"  {'':12} {'p50 µs':>10} {'p99 µs':>10} {'mean µs':>10}")
+    for name, s in p["per_step_us"].items():
+        print(f"  {name:12} {s['p50']:10.2f} {s['p99']:10.2f} {s['mean']:10.2f}")
+    for name, s in p["overhead_us"].items():
+        print(f"  overhead, {name:10}: p50 {s['p50']:+.2f} µs  p99 {s['p99']:+.2f} µs  mean {s['mean']:+.2f} µs"
+              f"  (mean ratio to bare {(p['per_step_us'][name]['mean'] / p['per_step_us']['bare']['mean']):.3f})")
+    print(f"  records dropped: {p['dropped'] or 'none'}")
+    lt = result.get("lightning")
+    if lt:
+        print(f"Lightning Trainer, {lt['steps']} steps side by side (a Trainer step here: "
+              f"{lt['trainer_step_us']:.0f} µs; probe cost {lt['probe_cost_us']['p50']:.2f} µs subtracted)")
+        for name, s in lt["per_step_us"].items():
+            print(f"  {name:32} p50 {s['p50']:6.2f} µs  p99 {s['p99']:7.2f} µs  mean {s['mean']:6.2f} µs per step")
+        ours = lt["per_step_us"]["trainer_hooks.LightningCallback"]["mean"]
+        theirs = lt["per_step_us"]["ThroughputMonitor"]["mean"]
+        print(f"  ours / ThroughputMonitor (mean): {ours / theirs:.2f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20_000, help="steps per variant and round (plain loop)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--work-us", type=float, default=50.0, help="busy work per step, µs")
+    parser.add_argument("--lightning-steps", type=int, default=3000, help="0 skips the Lightning comparison")
+    parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    args = parser.parse_args()
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the agent's stand-in: bound, never read
+    sink.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    sink.bind(("127.0.0.1", 0))
+    os.environ["CLUSTERDX_AGENT_ADDR"] = f"127.0.0.1:{sink.getsockname()[1]}"
+    result: dict[str, Any] = {"plain": plain(args.steps, args.rounds, args.work_us)}
+    if args.lightning_steps:
+        result["lightning"] = lightning_side_by_side(args.lightning_steps)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_report(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
