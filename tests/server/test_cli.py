@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,10 @@ def cli_db(transactional_db: None, settings: Any) -> None:
         os.environ["DATABASE_URL"] = url
 
 
-def test_token_create_prints_the_secret_alone_on_the_last_line(cli_db: None, client: Any) -> None:
+def test_token_create_prints_the_secret_alone_on_the_last_line(cli_db: None, client: Any, monkeypatch: Any) -> None:
+    from dashboard.telemetry import tokens
+
+    monkeypatch.setattr(tokens, "CACHE_TTL_S", 0.2)
     out = clusterdx("token", "create", "gpu-farm", "--name", "agents")
     assert out.returncode == 0, out.stderr
     token = out.stdout.rstrip("\n").splitlines()[-1]
@@ -54,6 +58,7 @@ def test_token_create_prints_the_secret_alone_on_the_last_line(cli_db: None, cli
     listed = clusterdx("token", "list", "gpu-farm")
     assert row.prefix in listed.stdout and token not in listed.stdout
     assert clusterdx("token", "revoke", row.prefix).returncode == 0
+    time.sleep(0.3)  # another process revoked it: this one stops accepting it within the cache TTL
     assert post(client, make_batch(seq=1), token).status_code == 401
 
 
