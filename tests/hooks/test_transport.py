@@ -220,3 +220,25 @@ def test_it_flushes_at_interpreter_exit_within_a_bounded_time(udp_agent, hook_en
     else:
         assert wait_for(lambda: len(udp_agent.records("steps")) == 3)
         assert all(wire.validate(wire.Step, s) for s in udp_agent.records("steps"))
+
+
+def test_the_real_agent_hook_socket_takes_the_records_and_the_drop_counts(hook_env):
+    hooks = pytest.importorskip("collectors.agent.hooks")
+    from collectors.agent.source import Collected
+
+    source = hooks.HookSource(addr="127.0.0.1:0")
+    assert source.start() is None
+    try:
+        hook_env.setenv("CLUSTERDX_AGENT_ADDR", f"127.0.0.1:{source.addr[1]}")
+        mon = Monitor(run="real-agent", queue_size=3, interval=30)
+        train(mon, 6)
+        mon.close()  # 1 run record + steps 0 and 1 fit the queue; steps 2-5 are dropped and counted
+        out = Collected()
+        assert wait_for(lambda: source.collect(time.time(), out) or len(out.steps) == 2)
+    finally:
+        source.close()
+    assert [s["step"] for s in out.steps] == [0, 1] and out.runs[0]["run"] == "real-agent"
+    assert out.dropped == {"hook_queue_full": 4}
+    batch = {"v": 1, "agent_id": "node-1", "seq": 1, "host": "node-1", "sent_at": time.time(), "steps": out.steps,
+             "runs": out.runs, "dropped": out.dropped}
+    assert wire.validate_batch(batch)["steps"][1]["metrics"] == {"loss": 0.5}
