@@ -1,0 +1,90 @@
+"""One rank of the testbed's training job: gloo DDP on a small model, with ``trainer_hooks.Monitor`` and the timed
+comm hook, started inside a node's namespace the way torchrun starts it (RANK, WORLD_SIZE, MASTER_ADDR/PORT, and
+CLUSTERDX_AGENT_ADDR / CLUSTERDX_RUN pointing at the node's agent).
+
+    python netns_rank.py --compute-s 0.05 --slow-file DIR/slow-data.rank{rank} [--max-steps N]
+
+A sleep stands in for the GPU's compute (it costs no CPU: the machine has two cores for four ranks and four
+agents). While the file ``--slow-file`` names (with this rank filled in) exists, this rank's loader sleeps the
+number of seconds it holds before each batch, like a loader behind a slow filesystem: the test slows one rank's
+data in the middle of a healthy run. The job runs until the test stops it; ``--max-steps`` only bounds a test
+that forgets to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer_hooks import Monitor
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--compute-s", type=float, default=0.05)
+    p.add_argument("--slow-file", default="")
+    p.add_argument("--max-steps", type=int, default=5000)
+    p.add_argument("--collective-timeout-s", type=float, default=120.0)
+    return p.parse_args()
+
+
+class Batches(torch.utils.data.IterableDataset):
+    """Endless random batches of 8, each costing the delay ``slow_file`` holds while it exists."""
+
+    def __init__(self, rank: int, slow_file: str) -> None:
+        self.rank, self.slow_file = rank, slow_file
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        gen = torch.Generator().manual_seed(self.rank)
+        while True:
+            time.sleep(self._delay())
+            yield torch.randn(8, 32, generator=gen), torch.randn(8, 1, generator=gen)
+
+    def _delay(self) -> float:
+        if not self.slow_file:
+            return 0.0
+        try:
+            with open(self.slow_file) as fh:
+                return float(fh.read() or 0)
+        except (OSError, ValueError):
+            return 0.0
+
+
+def main() -> None:
+    args = parse()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout_s))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    ddp = DDP(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    slow_file = args.slow_file.format(rank=rank)
+    loader = torch.utils.data.DataLoader(Batches(rank, slow_file), batch_size=None, num_workers=0)
+    mon = Monitor(model=ddp, interval=0.05)
+    mon.ddp_comm_hook(ddp)
+    for step, (x, y) in enumerate(mon.loader(loader)):
+        if step >= args.max_steps:
+            break
+        with mon.step(samples=len(x)):
+            with mon.phase("forward"):
+                time.sleep(args.compute_s)  # the GPU's share of the step
+                loss = torch.nn.functional.mse_loss(ddp(x), y)
+            with mon.phase("backward"):
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            mon.log(loss=loss)
+        if step == 0:
+            print("stepping", flush=True)
+    mon.close()
+    dist.barrier()  # gloo can abort at exit when a peer is already gone
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

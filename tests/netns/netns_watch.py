@@ -1,0 +1,131 @@
+"""The test's side of a testbed scenario: what reached the server, the diagnosis pass, and what it saw.
+
+``Watch.until(kind, subject)`` runs the same pass the schedule runs (``dashboard.diagnosis.tasks.run_pass``) about
+once a second until a detection of that kind names that subject, and keeps every pass's detections so a test can
+also check that nothing else was named. ``Watch.seen()`` summarises the window the detectors looked at (per-pair
+probe RTT and bandwidth, per-rank data wait / compute / arrival, last steps, silence per node): printed on failure,
+and the numbers behind each report.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from netns_testbed import Testbed
+
+FAULT_KINDS = ("slow_link", "data_starvation", "straggler", "hang", "node_down")
+
+
+@dataclass
+class Outcome:
+    detection: Any | None
+    seconds: float  # from the fault to the first pass that named the subject
+    passes: list[list[Any]] = field(default_factory=list)
+
+    def named(self, kinds: tuple[str, ...] = FAULT_KINDS) -> set[tuple[str, str]]:
+        """(kind, subject) of every fault detection in any pass."""
+        return {d.key for p in self.passes for d in p if d.kind in kinds}
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str, bed: Testbed | None = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            logs = "" if bed is None else "\n".join(f"--- {n.name}:\n{bed.log(n.name + '.agent.log', 800)}\n"
+                                                    f"{bed.log(n.name + '.rank.log', 1500)}" for n in bed.nodes)
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{logs}")
+        time.sleep(0.25)
+
+
+class Watch:
+    def __init__(self, cluster: Any, bed: Testbed, run: str) -> None:
+        self.cluster, self.bed, self.run = cluster, bed, run
+
+    # -- what arrived ----------------------------------------------------------------------------------------------
+    def last_steps(self) -> dict[int, int]:
+        from django.db.models import Max
+
+        from dashboard.telemetry.models import StepSample
+
+        rows = (StepSample.objects.filter(cluster=self.cluster, run__name=self.run).values("rank")
+                .annotate(last=Max("step")))
+        return {r["rank"]: r["last"] for r in rows}
+
+    def probing_nodes(self) -> set[str]:
+        """Nodes whose agent reported a bulk-bandwidth probe (every probe kind has then had a round)."""
+        from dashboard.telemetry.models import Probe
+
+        return set(Probe.objects.filter(cluster=self.cluster, bw_gbps__isnull=False)
+                   .values_list("node__hostname", flat=True).distinct())
+
+    def warm_up(self, steps: int = 24, timeout: float = 45.0) -> dict[int, int]:
+        """Until every agent probes and every rank has made ``steps`` steps past its first."""
+        wait_for(lambda: len(self.probing_nodes()) == len(self.bed.nodes), timeout, "probes from every agent",
+                 self.bed)
+        first = wait_for(lambda: (s := self.last_steps()) and len(s) == len(self.bed.nodes) and s, timeout,
+                         "steps from every rank", self.bed)
+        return wait_for(lambda: (s := self.last_steps()) and min(s.values()) >= min(first.values()) + steps and s,
+                        timeout, f"{steps} more steps", self.bed)
+
+    # -- the diagnosis ---------------------------------------------------------------------------------------------
+    def diagnose(self) -> list[Any]:
+        from dashboard.diagnosis.tasks import run_pass
+
+        return run_pass(self.cluster).detections
+
+    def until(self, kind: str | tuple[str, ...], subject: str | set[str], since: float, timeout: float = 30.0) -> Outcome:
+        kinds = (kind,) if isinstance(kind, str) else kind
+        subjects = {subject} if isinstance(subject, str) else subject
+        out = Outcome(None, float("nan"))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            found = self.diagnose()
+            out.passes.append(found)
+            hit = next((d for d in found if d.kind in kinds and d.subject in subjects), None)
+            if hit is not None:
+                out.detection, out.seconds = hit, time.time() - since
+                return out
+            time.sleep(max(0.0, 1.0 - (time.monotonic() - started)))
+        return out
+
+    def seen(self) -> str:
+        """What the detectors see now, in numbers (for failure messages and the report)."""
+        from dashboard.diagnosis.loader import load_window
+
+        w = load_window(self.cluster, time.time())
+        lines = [f"nodes={w.nodes} silent_s={ {h: round(w.now - t, 1) for h, t in w.last_heard.items()} }"]
+        p = w.probes
+        for a in range(len(w.nodes)):
+            for b in range(len(w.nodes)):
+                rows = (p["node"] == a) & (p["peer"] == b)
+                if rows.any():
+                    bw = p["bw_gbps"][rows][~np.isnan(p["bw_gbps"][rows])]
+                    lines.append(f"  probe {w.nodes[a]}->{w.nodes[b]}: rtt_ms med "
+                                 f"{np.nanmedian(p['rtt_ms'][rows]):.3f} max {np.nanmax(p['rtt_ms'][rows]):.3f}, "
+                                 f"lost {int(np.nansum(p['lost'][rows]))}/{int(np.nansum(p['sent'][rows]))}, "
+                                 f"bw_gbps {[round(float(x), 3) for x in bw[-4:]]}")
+        for run in w.runs:
+            lines.append(f"  run {run.name}: last_step {run.last_step}, stalled "
+                         f"{w.now - (run.last_step_ts or w.now):.1f} s")
+        s = w.steps
+        for rank in sorted({int(r) for r in s["rank"]}) if len(s) else []:
+            rows = s["rank"] == rank
+            med = {c: statistics.median(float(x) for x in s[c][rows][-8:] if not np.isnan(x))
+                   for c in ("step_time_s", "data_wait_s", "compute_s", "comm_s", "comm_arrive_s")
+                   if np.any(~np.isnan(s[c][rows]))}
+            lines.append(f"  rank {rank}: last step {int(np.nanmax(s['step'][rows]))}, medians of the last 8: "
+                         + ", ".join(f"{k} {v:.3f}" for k, v in med.items()))
+        return "\n".join(lines)
+
+
+def describe(detection: Any) -> str:
+    return f"{detection.kind} {detection.subject}: {detection.title} | {detection.evidence.get('metrics')}"

@@ -1,0 +1,89 @@
+"""Real faults on a four-node testbed, and the diagnosis must name the right subject.
+
+Each scenario builds four network namespaces (node-a..d) on a private bridge, runs a real ``clusterdx agent`` in
+each (probes to the three others, the hooks socket) and one rank of a gloo DDP job with ``trainer_hooks``; the
+server runs outside, on the bridge's address. Once every agent probes and every rank steps, the healthy cluster
+gets one diagnosis pass (nothing may be named), then one fault is injected and the pass runs about once a second
+until the faulty subject is named, and nothing else may be. What each pass saw is printed (``pytest -s`` or ``-rP``)
+and is the failure message.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from netns_testbed import Testbed
+from netns_watch import FAULT_KINDS, Outcome, Watch, describe
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def _started(site, bed: Testbed, run: str) -> Watch:
+    t0 = time.monotonic()
+    bed.start_agents(site.server.url, site.token)
+    bed.start_job(run)
+    watch = Watch(site.cluster, bed, run)
+    watch.warm_up()
+    healthy = watch.diagnose()
+    print(f"\n[{run}] warm-up {time.monotonic() - t0:.1f} s; healthy pass: {[d.key for d in healthy]}")
+    assert not [d for d in healthy if d.kind in FAULT_KINDS], (
+        f"a healthy cluster was diagnosed: {[describe(d) for d in healthy]}\n{watch.seen()}")
+    return watch
+
+
+def _check(watch: Watch, out: Outcome, expected: set[tuple[str, str]]) -> None:
+    seen = watch.seen()
+    print(f"[{watch.run}] named after {out.seconds:.1f} s in {len(out.passes)} pass(es): "
+          f"{describe(out.detection) if out.detection else None}\n{seen}")
+    assert out.detection is not None, f"never named {expected} in {len(out.passes)} passes; last pass: " \
+        f"{[describe(d) for d in out.passes[-1]] if out.passes else []}\n{seen}"
+    wrong = out.named() - expected
+    assert not wrong, f"also named {wrong}\n{seen}"
+
+
+def test_added_delay_entering_one_node_is_a_slow_link_naming_that_node(site, bed, delay_program) -> None:
+    watch = _started(site, bed, "delay")
+    since = time.time()
+    bed.add_delay("node-c", 30, delay_program)
+    out = watch.until("slow_link", "node-c", since)
+    _check(watch, out, {("slow_link", "node-c")})
+    assert out.detection.evidence["metrics"]["rtt_ms"] > 25  # the 30 ms, seen by the probes in user space
+
+
+def test_a_rate_limit_on_one_node_is_a_slow_link_naming_that_node(site, bed) -> None:
+    watch = _started(site, bed, "ratelimit")
+    since = time.time()
+    bed.limit_rate("node-b", "50mbit")
+    out = watch.until("slow_link", "node-b", since)
+    _check(watch, out, {("slow_link", "node-b")})
+    metrics = out.detection.evidence["metrics"]
+    assert metrics["bw_gbps"] < 0.06 < metrics["baseline_bw_gbps"] / 4, metrics
+    assert metrics["rtt_ms"] < 5, metrics  # idle RTT hides a rate limit: only the bulk probes show it
+
+
+def test_a_slow_dataloader_on_one_rank_is_data_starvation_naming_that_rank(site, bed) -> None:
+    watch = _started(site, bed, "slowdata")
+    since = time.time()
+    bed.slow_loader(2, 0.15)
+    out = watch.until("data_starvation", "slowdata/rank2", since)
+    _check(watch, out, {("data_starvation", "slowdata/rank2")})
+    assert out.detection.node == "node-c" and out.detection.rank == 2
+
+
+def test_a_killed_rank_is_named(site, bed) -> None:
+    watch = _started(site, bed, "killed")
+    since = time.time()
+    bed.signal_rank("node-b", signal.SIGKILL)
+    subjects = {"killed/rank1", "node-b"}
+    out = watch.until(("hang", "node_down", "straggler"), subjects, since, timeout=20)
+    _check(watch, out, {(k, s) for k in ("hang", "node_down", "straggler") for s in subjects})
+
+
+def test_a_frozen_rank_is_named(site, bed) -> None:
+    watch = _started(site, bed, "frozen")
+    since = time.time()
+    bed.signal_rank("node-d", signal.SIGSTOP)
+    out = watch.until(("hang", "straggler", "node_down"), "frozen/rank3", since, timeout=20)
+    _check(watch, out, {(k, "frozen/rank3") for k in ("hang", "straggler", "node_down")})
