@@ -29,10 +29,7 @@ def check_steps(steps: list[dict], first_step: int = 0) -> None:
     assert all(0 < s["compute_s"] < 1.0 for s in steps)
 
 
-def test_the_lightning_callback_reports_steps_loss_and_the_checkpoint(udp_agent, hook_env, tmp_path):
-    lightning = pytest.importorskip("lightning")
-    from trainer_hooks import LightningCallback
-
+def tiny_lightning_module(lightning: object) -> object:
     class Tiny(lightning.LightningModule):
         def __init__(self) -> None:
             super().__init__()
@@ -45,6 +42,13 @@ def test_the_lightning_callback_reports_steps_loss_and_the_checkpoint(udp_agent,
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    return Tiny()
+
+
+def test_the_lightning_callback_reports_steps_loss_and_the_checkpoint(udp_agent, hook_env, tmp_path):
+    lightning = pytest.importorskip("lightning")
+    from trainer_hooks import LightningCallback
+
     hook_env.setenv("CLUSTERDX_AGENT_ADDR", udp_agent.addr)
     data = torch.utils.data.TensorDataset(torch.randn(STEPS * 4, 8), torch.randn(STEPS * 4, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=4, collate_fn=slow_collate)
@@ -52,7 +56,7 @@ def test_the_lightning_callback_reports_steps_loss_and_the_checkpoint(udp_agent,
     trainer = lightning.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, precision="bf16-mixed",
                                 enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
                                 callbacks=[callback])
-    trainer.fit(Tiny(), loader)
+    trainer.fit(tiny_lightning_module(lightning), loader)
     callback.monitor.close()
 
     assert wait_for(lambda: len(udp_agent.records("steps")) == STEPS and udp_agent.records("events"))
@@ -65,6 +69,29 @@ def test_the_lightning_callback_reports_steps_loss_and_the_checkpoint(udp_agent,
     checkpoint = [e for e in udp_agent.records("events") if e["kind"] == "checkpoint"]
     assert [e["step"] for e in checkpoint] == [STEPS]
     assert udp_agent.records("runs")[-1]["last_checkpoint_step"] == STEPS
+
+
+def test_the_lightning_callback_times_ddp_all_reduces(udp_agent, hook_env, tmp_path):
+    lightning = pytest.importorskip("lightning")
+    from trainer_hooks import LightningCallback
+
+    hook_env.setenv("CLUSTERDX_AGENT_ADDR", udp_agent.addr)
+    data = torch.utils.data.TensorDataset(torch.randn(STEPS * 4, 8), torch.randn(STEPS * 4, 1))
+    callback = LightningCallback(run="lightning-ddp", interval=0.05)
+    # One gloo rank in this process: Lightning's real DDPStrategy path, without launching processes.
+    trainer = lightning.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, strategy="ddp", logger=False,
+                                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                                default_root_dir=tmp_path, callbacks=[callback])
+    try:
+        trainer.fit(tiny_lightning_module(lightning), torch.utils.data.DataLoader(data, batch_size=4))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    callback.monitor.close()
+    assert wait_for(lambda: len(udp_agent.records("steps")) == STEPS)
+    steps = udp_agent.records("steps")
+    assert all(0 < s["comm_s"] < s["step_time_s"] and s["comm_arrive_s"] is not None for s in steps)
+    assert udp_agent.records("runs")[0]["parallel"] == {"dp": 1}
 
 
 def test_the_hf_callback_reports_steps_loss_grad_norm_and_checkpoints(udp_agent, hook_env, tmp_path):
