@@ -28,7 +28,7 @@ class TimedHookState:
 # Deliberately not annotated: DDP inspects a hook's annotations and accepts only the real classes.
 def timed_hook(state, bucket):
     timer = state.timer
-    if not timer._open:  # outside a measured step (validation, a warm-up): pass through untimed
+    if not timer.in_step:  # outside a measured step (validation, a warm-up): pass through untimed
         return state.hook(state.state, bucket)
     token = timer.comm_begin()
     future = state.hook(state.state, bucket)

@@ -116,10 +116,12 @@ class Monitor:
         Tensors are fine: a CUDA tensor is copied to the host without blocking and read once its step's events
         are done, so logging a loss adds no synchronize."""
         deferred = self.timer.clock.deferred
+        copies = False
         for key, value in values.items():
             if hasattr(value, "detach"):
                 values[key] = _host_scalar(value, deferred)
-        self.timer.log(values)
+                copies = copies or hasattr(values[key], "detach")
+        self.timer.log(values, device_copies=copies)
 
     def checkpoint_saved(self, step: int | None = None, path: str | None = None) -> None:
         step = self.timer.step if step is None else step

@@ -111,8 +111,8 @@ class FinishedStep:
     dict. That work (float formatting, interval union, event reads) is left to whoever ships the step — the
     Monitor's background thread — so the training thread pays only for the clock reads."""
 
-    __slots__ = ("begin", "comms", "data_wait", "end", "lead", "mem", "metrics", "phases", "rank", "samples", "step",
-                 "step_time", "timed", "timer", "tokens", "ts")
+    __slots__ = ("begin", "comms", "data_wait", "end", "lead", "mem", "metrics", "phases", "rank", "ready_mark",
+                 "samples", "step", "step_time", "timed", "timer", "tokens", "ts")
 
     def __init__(self, timer: StepTimer, step: int, ts: float, step_time: float, data_wait: float | None,
                  lead: float, begin: Any, end: Any, phases: list[Any], comms: list[Any], tokens: int | None,
@@ -120,6 +120,7 @@ class FinishedStep:
         self.timer, self.rank, self.timed = timer, timer.rank, True
         self.step, self.ts, self.step_time, self.data_wait, self.lead = step, ts, step_time, data_wait, lead
         self.begin, self.end, self.phases, self.comms = begin, end, phases, comms
+        self.ready_mark = end  # the last mark to wait for: later when a tensor is logged after the step
         self.tokens, self.samples, self.metrics, self.mem = tokens, samples, metrics, mem
 
     def as_record(self) -> dict[str, Any]:
@@ -224,9 +225,9 @@ class StepTimer:
         pending, clock = self._pending, self.clock
         while pending:
             oldest = pending[0]
-            if force and hasattr(oldest.end, "synchronize"):
-                oldest.end.synchronize()
-            if clock.ready(oldest.end):
+            if force and hasattr(oldest.ready_mark, "synchronize"):
+                oldest.ready_mark.synchronize()
+            if clock.ready(oldest.ready_mark):
                 self._emit(pending.popleft())
             elif len(pending) > self.max_pending:
                 self.late += 1
@@ -251,10 +252,22 @@ class StepTimer:
         comms, start = token
         comms.append((start, self.clock.mark()))
 
-    def log(self, values: dict[str, Any]) -> None:
-        """Metrics for the open step; between steps, for the step that just ended (the next one before any)."""
+    @property
+    def in_step(self) -> bool:
+        return self._open
+
+    def log(self, values: dict[str, Any], device_copies: bool = False) -> None:
+        """Metrics for the open step; between steps, for the step that just ended (the next one before any).
+
+        ``device_copies``: some values are host copies still in flight from the GPU. Logged after the step's end
+        mark, they get a mark of their own, so the step is read only once the copies landed too."""
         if not self._open and self._pending:
-            self._pending[-1].metrics.update(values)
+            done = self._pending[-1]
+            done.metrics.update(values)
+            if device_copies and self.clock.deferred:
+                if done.ready_mark is not done.end:
+                    self.clock.release(done.ready_mark)
+                done.ready_mark = self.clock.mark()
         else:
             self._metrics.update(values)
 
@@ -280,6 +293,8 @@ class StepTimer:
         for key, value in (("tokens", done.tokens), ("samples", done.samples)):
             if value is not None:
                 rec[key] = int(value)
+        if done.metrics and not done.timed:  # host copies from the GPU may not have landed: never read them
+            done.metrics = {k: v for k, v in done.metrics.items() if not hasattr(v, "detach")}
         if done.metrics:
             metrics = _finite(done.metrics)
             if metrics:
@@ -315,6 +330,8 @@ class StepTimer:
             return
         release(done.begin)
         release(done.end)
+        if done.ready_mark is not done.end:
+            release(done.ready_mark)
         for _, a, b in done.phases:
             release(a)
             release(b)

@@ -196,3 +196,25 @@ def test_configuration_mistakes_are_reported_not_raised():
     assert cfg.mode == "auto" and cfg.agent_addr == wire.LOCAL_HOOK_ADDR and cfg.token is None
     assert len(cfg.problems) == 4
     assert Config.from_env({"CLUSTERDX_AGENT_ADDR": "10.0.0.7:9000"}).agent_addr == ("10.0.0.7", 9000)
+
+
+def test_a_tensor_logged_after_the_step_waits_for_its_own_copy_and_a_late_step_drops_it():
+    records: list[dict] = []
+    clock = LateClock()
+    timer = StepTimer("r", 0, lambda step: records.append(step.as_record()), clock=clock, max_pending=1)
+    timer.begin()
+    timer.end()
+    for mark in clock.marks:
+        mark.done = True  # the step's own events are done...
+    timer.log({"loss": torch.tensor(2.0)}, device_copies=True)  # ...but this copy was queued after them
+    timer.poll()
+    assert records == []
+    clock.complete_all()
+    timer.poll()
+    assert records[0]["metrics"] == {"loss": 2.0}
+    for _ in range(2):  # the GPU never gets there: the first step is shipped late, without the unread copy
+        timer.begin()
+        timer.end()
+        timer.log({"loss": torch.tensor(3.0), "lr": 0.1}, device_copies=True)
+    timer.begin()
+    assert records[1]["metrics"] == {"lr": 0.1} and "compute_s" not in records[1]
