@@ -75,8 +75,9 @@ def attempt(delivery_id: int, number: int) -> Next:
     if owned is None:
         return when_free(delivery_id, number)
     delivery = Delivery.objects.select_related("endpoint__cluster", "finding", "resolves").get(id=delivery_id)
-    if not delivery.endpoint.enabled and delivery.event != "test":
-        _finish(delivery_id, owned, status=S.SUPPRESSED, last_error="endpoint disabled before sending")
+    why_not = _why_not_send(delivery)
+    if why_not:
+        _finish(delivery_id, owned, status=S.SUPPRESSED, last_error=why_not)
         return Next(owned)
     try:
         result = base.for_endpoint(delivery.endpoint).notify(alerts.build(delivery))
@@ -84,6 +85,15 @@ def attempt(delivery_id: int, number: int) -> Next:
         log.exception("alerts: delivery %s could not be built", delivery_id)
         result = http.HttpResult(None, f"internal error: {type(exc).__name__}: {exc}", False, None, 0.0)
     return record(delivery, owned, result)
+
+
+def _why_not_send(delivery: Delivery) -> str:
+    if not delivery.endpoint.enabled and delivery.event != "test":
+        return "endpoint disabled before sending"
+    trigger = delivery.resolves
+    if trigger is not None and trigger.status in (S.FAILED, S.SUPPRESSED):
+        return f"delivery {trigger.id}, which this would resolve, was not delivered ({trigger.status})"
+    return ""
 
 
 def record(delivery: Delivery, number: int, result: http.HttpResult) -> Next:

@@ -31,11 +31,12 @@ FAMILIES = {
 
 def on_finding_changed(sender: Any, finding: Finding, event: str, **kwargs: Any) -> None:
     """Signal receiver. It must never break the detector that sent the signal: failures are logged."""
+    from dashboard.alerts.tasks import schedule
+
     try:
         for delivery in plan(finding, event):
-            from dashboard.alerts.tasks import schedule
-
-            schedule(delivery)
+            # After the commit, should a detector ever signal inside a transaction: a worker must find the row.
+            transaction.on_commit(lambda d=delivery: schedule(d))
     except Exception:
         log.exception("alerts: planning deliveries for finding %s (%s) failed", finding.pk, event)
 

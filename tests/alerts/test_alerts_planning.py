@@ -166,3 +166,20 @@ def test_a_failing_planner_never_breaks_the_detector(cluster: Any, nodes: list[A
     monkeypatch.setattr(planner, "plan_alert", broken)
     signal(make_finding(cluster, node=nodes[0], gpu_index=0), "opened")  # does not raise
     assert "planning deliveries for finding" in caplog.text and "boom" in caplog.text
+
+
+def test_no_resolve_follows_a_trigger_that_finally_failed(cluster: Any, nodes: list[Any], receiver: Receiver,
+                                                          endpoint_for: Any) -> None:
+    from tests.alerts.alerts_support import Reply
+
+    receiver.script = [Reply(503), Reply(404)]
+    endpoint_for(receiver, kind="pagerduty")
+    finding = make_finding(cluster, node=nodes[0], gpu_index=0)
+    signal(finding, "opened")
+    send_due()  # 503: the trigger will be retried
+    resolve(finding)  # planned while the trigger is still alive
+    drain()
+    assert [(r.json()["event_action"], r.answered) for r in receiver.requests] == [("trigger", 503), ("trigger", 404)]
+    trigger, undo = Delivery.objects.order_by("id")
+    assert (undo.status, undo.last_error) == (
+        S.SUPPRESSED, f"delivery {trigger.id}, which this would resolve, was not delivered (failed)")
