@@ -205,9 +205,9 @@ class Monitor:
             torch = sys.modules["torch"]
             device = self._device
             self.timer.clock = CudaClock(lambda: torch.cuda.Event(enable_timing=True))
-            self.timer.set_memory_probe(_MemoryProbe(torch, device))
             self._meta_parts.update(meta.gpu_info(device))
-            self._meta_parts.pop("mem_total_bytes", None)
+            total = self._meta_parts.pop("mem_total_bytes")
+            self.timer.set_memory_probe(_MemoryProbe(torch, device, total))
             if self._meta_parts["dtype"] is None:
                 self._meta_parts["dtype"] = "bf16"
         self._send_meta()
@@ -312,16 +312,17 @@ def _host_scalar(value: Any, deferred: bool) -> Any:
 
 
 class _MemoryProbe:
-    def __init__(self, torch: Any, device: Any) -> None:
-        self._cuda, self._device = torch.cuda, device
+    def __init__(self, torch: Any, device: Any, total: int) -> None:
+        self._cuda, self._device, self._total = torch.cuda, device, total
         self._due = 0.0
-        self._last: tuple[int | None, int | None] = (None, None)
+        self._last: tuple[int, int, int] = (0, 0, total)
 
-    def __call__(self) -> tuple[int | None, int | None]:
+    def __call__(self) -> tuple[int, int, int]:
         now = perf_counter()
         if now >= self._due:
             self._due = now + _MEM_EVERY_S
-            self._last = (self._cuda.memory_allocated(self._device), self._cuda.memory_reserved(self._device))
+            cuda, device = self._cuda, self._device
+            self._last = (cuda.memory_allocated(device), cuda.memory_reserved(device), self._total)
         return self._last
 
 

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 perf_counter = time.perf_counter
+Memory = tuple[int, int, int]  # allocated, reserved, total bytes of the step's device
+_NO_MEMORY: Memory = (0, 0, 0)  # identity-compared: off CUDA the fields are left out, not reported as 0
 
 
 class Clock(Protocol):
@@ -116,7 +118,7 @@ class FinishedStep:
 
     def __init__(self, timer: StepTimer, step: int, ts: float, step_time: float, data_wait: float | None,
                  lead: float, begin: Any, end: Any, phases: list[Any], comms: list[Any], tokens: int | None,
-                 samples: int | None, metrics: dict[str, Any], mem: tuple[int | None, int | None]) -> None:
+                 samples: int | None, metrics: dict[str, Any], mem: Memory) -> None:
         self.timer, self.rank, self.timed = timer, timer.rank, True
         self.step, self.ts, self.step_time, self.data_wait, self.lead = step, ts, step_time, data_wait, lead
         self.begin, self.end, self.phases, self.comms = begin, end, phases, comms
@@ -154,7 +156,7 @@ class StepTimer:
         self._phases: list[tuple[str, Any, Any]] = []
         self._comms: list[tuple[Any, Any]] = []
         self._metrics: dict[str, Any] = {}
-        self._mem: Callable[[], tuple[int | None, int | None]] | None = None
+        self._mem: Callable[[], Memory] | None = None
         self._step_args: tuple[int | None, int | None, int | None] = (None, None, None)
 
     # -- the data wait ------------------------------------------------------------------------------------------
@@ -196,7 +198,7 @@ class StepTimer:
         self.step = step + 1
         fetch, self._fetch = self._fetch, None
         start = fetch[0] if fetch is not None else self._begin_host
-        mem = self._mem() if self._mem is not None else (None, None)
+        mem = self._mem() if self._mem is not None else _NO_MEMORY
         done = FinishedStep(
             self, step, time.time(), end_host - start, (fetch[1] - fetch[0]) if fetch is not None else None,
             self._begin_host - start, self._begin_mark, end_mark, self._phases, self._comms, tokens, samples,
@@ -271,7 +273,7 @@ class StepTimer:
         else:
             self._metrics.update(values)
 
-    def set_memory_probe(self, probe: Callable[[], tuple[int | None, int | None]] | None) -> None:
+    def set_memory_probe(self, probe: Callable[[], Memory] | None) -> None:
         self._mem = probe
 
     # -- turning marks into a wire record --------------------------------------------------------------------------
@@ -302,10 +304,8 @@ class StepTimer:
             if len(metrics) < len(done.metrics) and self.on_nonfinite is not None:
                 for key in done.metrics.keys() - metrics.keys():
                     self.on_nonfinite(done.step, key)
-        allocated, reserved = done.mem
-        if allocated is not None:
-            rec["mem_allocated_bytes"] = allocated
-            rec["mem_reserved_bytes"] = reserved
+        if done.mem is not _NO_MEMORY:
+            rec["mem_allocated_bytes"], rec["mem_reserved_bytes"], rec["mem_total_bytes"] = done.mem
         return rec
 
     def _timings(self, done: FinishedStep, rec: dict[str, Any]) -> None:

@@ -218,3 +218,25 @@ def test_a_tensor_logged_after_the_step_waits_for_its_own_copy_and_a_late_step_d
         timer.log({"loss": torch.tensor(3.0), "lr": 0.1}, device_copies=True)
     timer.begin()
     assert records[1]["metrics"] == {"lr": 0.1} and "compute_s" not in records[1]
+
+
+def test_cuda_memory_is_read_at_most_once_a_second_and_reported_with_the_total():
+    from types import SimpleNamespace
+
+    from trainer_hooks.monitor import _MemoryProbe
+
+    reads: list[str] = []
+    cuda = SimpleNamespace(memory_allocated=lambda d: reads.append("a") or 3 << 30,
+                           memory_reserved=lambda d: reads.append("r") or 4 << 30)
+    probe = _MemoryProbe(SimpleNamespace(cuda=cuda), "cuda:0", 80 << 30)
+    records: list[dict] = []
+    timer = StepTimer("r", 0, lambda step: records.append(step.as_record()))
+    timer.set_memory_probe(probe)
+    for _ in range(3):
+        timer.begin()
+        timer.end()
+    timer.poll()
+    assert reads == ["a", "r"]  # three steps, one read of torch's allocator statistics
+    assert {(r["mem_allocated_bytes"], r["mem_reserved_bytes"], r["mem_total_bytes"]) for r in records} == {
+        (3 << 30, 4 << 30, 80 << 30)}
+    assert all(wire.validate(wire.Step, r) for r in records)
