@@ -32,7 +32,8 @@ class Monitor:
     ``run`` names the run (every rank must agree): given, or ``$CLUSTERDX_RUN``, or the Slurm / torchrun job id.
     ``model`` gives the parameter count; ``flops_per_token`` defaults to 6·N. ``dtype`` picks the GPU peak the
     server computes MFU against (``"bf16"`` on CUDA unless told). ``parallel`` holds the parallelism sizes
-    (``{"tp": 8, "pp": 4}``; ``dp`` defaults to world size / (tp·pp)). ``device="cpu"`` forces host timing.
+    (``{"tp": 8, "pp": 4}``; ``dp`` defaults to world size / (tp·pp·cp·ep)). ``device="cpu"`` forces host
+    timing.
     ``transport``: ``auto`` (agent, else server), ``agent``, ``server`` or ``off``; the other transport settings
     come from the ``CLUSTERDX_*`` environment (see docs/training-hooks.md)."""
 
