@@ -71,7 +71,8 @@ def sweep() -> None:
     """Embedded: send what is due (at most one sweeping thread). Production: re-enqueue rows whose message was lost
     (overdue by ALERTS_SWEEP_GRACE_S: a broker restart, a purge), harmless if it was not."""
     if eager():
-        if _sweeping.acquire(blocking=False):
+        # The check is one indexed query on the scheduler's thread; a thread (and its connection) only when needed.
+        if attempts.due(limit=1) and _sweeping.acquire(blocking=False):
             threading.Thread(target=_sweep_in_background, name="alerts-sweep", daemon=True).start()
         return
     for delivery_id, number in attempts.due(grace_s=float(conf.get("ALERTS_SWEEP_GRACE_S"))):
