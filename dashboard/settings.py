@@ -127,7 +127,11 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "clusterdx"
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CLUSTERDX_VISIBILITY_TIMEOUT_S", 120, min=10)}
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": env_int("CLUSTERDX_VISIBILITY_TIMEOUT_S", 120, min=10),
+    # Two deployments (or two test runs) sharing one Redis database must not redeliver each other's tasks.
+    "global_keyprefix": env_str("CLUSTERDX_REDIS_PREFIX", "clusterdx") + ":",
+}
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
