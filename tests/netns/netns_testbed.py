@@ -230,7 +230,7 @@ class Testbed:
             "[sources.probes]", f"peers = {json.dumps(peers)}", f'self_name = "{node.name}"',
             f'listen_host = "{node.addr}"', f"port = {PROBE_PORT}", "round_s = 1.0", "pings_per_peer = 4",
             "timeout_s = 1.0", "max_round_s = 3.0", f"bulk_bytes = {4 << 20}", "bulk_period_s = 1.0",
-            "bulk_timeout_s = 3.0", "",
+            "bulk_timeout_s = 5.0", "",
         ])
 
     def start_job(self, run_name: str, *, compute_s: float = 0.05, collective_timeout_s: float = 120.0) -> None:

@@ -25,11 +25,14 @@ FAULT_KINDS = ("slow_link", "data_starvation", "straggler", "hang", "node_down")
 class Outcome:
     detection: Any | None
     seconds: float  # from the fault to the first pass that named the subject
-    passes: list[list[Any]] = field(default_factory=list)
+    passes: list[tuple[float, list[Any]]] = field(default_factory=list)  # (seconds since the fault, detections)
 
     def named(self, kinds: tuple[str, ...] = FAULT_KINDS) -> set[tuple[str, str]]:
         """(kind, subject) of every fault detection in any pass."""
-        return {d.key for p in self.passes for d in p if d.kind in kinds}
+        return {d.key for _, found in self.passes for d in found if d.kind in kinds}
+
+    def last(self) -> list[Any]:
+        return self.passes[-1][1] if self.passes else []
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str, bed: Testbed | None = None) -> Any:
@@ -89,10 +92,10 @@ class Watch:
         while time.monotonic() < deadline:
             started = time.monotonic()
             found = self.diagnose()
-            out.passes.append(found)
+            out.passes.append((time.time() - since, found))
             hit = next((d for d in found if d.kind in kinds and d.subject in subjects), None)
             if hit is not None:
-                out.detection, out.seconds = hit, time.time() - since
+                out.detection, out.seconds = hit, out.passes[-1][0]
                 return out
             time.sleep(max(0.0, 1.0 - (time.monotonic() - started)))
         return out
