@@ -29,10 +29,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from collectors.sim.model import SimCluster, node_name  # noqa: E402
-from collectors.sim.scenario import Fault, Scenario, parse  # noqa: E402
-from dashboard.diagnosis.detectors import Thresholds, run_all  # noqa: E402
-from dashboard.diagnosis.detectors.buffer import WindowBuffer  # noqa: E402
+from collectors.sim.model import SimCluster, node_name
+from collectors.sim.scenario import Fault, Scenario, parse
+from dashboard.diagnosis.detectors import Thresholds, run_all
+from dashboard.diagnosis.detectors.buffer import WindowBuffer
 
 T0 = 1_750_000_000.0
 RUN = "bench"
@@ -62,9 +62,7 @@ def make_fault(kind: str, rng: random.Random, nodes: int, gpus: int) -> dict[str
         f.update(node=node, gpu=gpu, code=79)
     elif kind == "xid_dbe":
         f.update(kind="xid", node=node, gpu=gpu, code=rng.choice([48, 94, 95, 63, 74, 119]))
-    elif kind == "node_down":
-        f.update(node=node)
-    elif kind == "nccl_socket_fallback":
+    elif kind in ("node_down", "nccl_socket_fallback"):
         f.update(node=node)
     elif kind in ("nccl_env_drift", "memory_pressure"):
         f.update(rank=rank)
@@ -125,10 +123,10 @@ class Visibility:
         if st["rank"] == 0 and st["ts"] <= self.start:
             self.last_step_end = max(self.last_step_end, st["ts"])
             self.step_times.append(st["step_time_s"])
-        if f.kind in ("data_starvation", "straggler") and st["rank"] == f.rank and begin >= self.start:
-            self.at = st["ts"] if self.at is None else min(self.at, st["ts"])
-        elif f.kind == "memory_pressure" and st["rank"] == f.rank and st["mem_allocated_bytes"] >= 0.9 * \
-                st["mem_total_bytes"]:
+        mine = st["rank"] == f.rank
+        started = f.kind in ("data_starvation", "straggler") and mine and begin >= self.start
+        near_oom = f.kind == "memory_pressure" and mine and st["mem_allocated_bytes"] >= 0.9 * st["mem_total_bytes"]
+        if started or near_oom:
             self.at = st["ts"] if self.at is None else min(self.at, st["ts"])
         elif f.kind == "checkpoint_stop" and st["rank"] == 0 and st["ts"] >= self.start and \
                 st["step"] % self.s.checkpoint_every == 0:
@@ -202,7 +200,7 @@ def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     v = sorted(values)
-    return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
+    return v[min(len(v) - 1, round(q * (len(v) - 1)))]
 
 
 def report(results: list[CaseResult], healthy: list[CaseResult]) -> dict[str, float]:
@@ -219,7 +217,8 @@ def report(results: list[CaseResult], healthy: list[CaseResult]) -> dict[str, fl
               f"{sum(len(r.false) for r in rs):>7}{pct(tt, 0.5):>8.1f}s{pct(tt, 0.9):>8.1f}s")
     for r in results:
         if r.detected_at is None or r.false:
-            print(f"  ! {r.name} @{r.nodes} nodes: expected {r.expected}, opened {[(round(t - T0), k, s) for t, k, s in r.opened]}")
+            got = [(round(t - T0), k, s) for t, k, s in r.opened]
+            print(f"  ! {r.name} @{r.nodes} nodes: expected {r.expected}, opened {got}")
     for h in healthy:
         for t, k, s in h.opened:
             print(f"  ! healthy {h.nodes} nodes: false {k} {s} at {t - T0:.0f} s")
