@@ -222,7 +222,8 @@ def report(results: list[CaseResult], healthy: list[CaseResult]) -> dict[str, fl
     for h in healthy:
         for t, k, s in h.opened:
             print(f"  ! healthy {h.nodes} nodes: false {k} {s} at {t - T0:.0f} s")
-    out = {"cases": len(results), "precision": tp / (tp + fp) if tp + fp else 1.0, "recall": tp / len(results),
+    out = {"cases": len(results), "precision": tp / (tp + fp) if tp + fp else 1.0,
+           "recall": tp / len(results) if results else float("nan"),
            "ttd_p50_s": pct(ttd, 0.5), "ttd_p90_s": pct(ttd, 0.9), "healthy_hours": hours,
            "false_per_hour": false_h / hours if hours else float("nan")}
     print(f"\nprecision {out['precision']:.3f}  recall {out['recall']:.3f}  time-to-detect p50 {out['ttd_p50_s']:.1f} s "
@@ -271,13 +272,13 @@ def db_pass(nodes: int, seconds: int) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[8, 64], help="node counts for every fault kind")
+    p.add_argument("--sizes", type=int, nargs="*", default=[8, 64], help="node counts for every fault kind")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--big", type=int, default=512, help="also run every kind once at this size (0: skip)")
     p.add_argument("--kinds", nargs="+", default=list(KINDS))
     p.add_argument("--interval", type=float, default=1.0, help="seconds between passes (server: DIAGNOSIS_INTERVAL_S)")
     p.add_argument("--healthy-s", type=int, default=3600, help="healthy run length at the smallest size")
-    p.add_argument("--healthy-sizes", type=int, nargs="+", default=[8, 64])
+    p.add_argument("--healthy-sizes", type=int, nargs="*", default=[8, 64])
     p.add_argument("--db-pass", type=int, default=0, help="time one database-backed pass at this many nodes")
     p.add_argument("--db-seconds", type=int, default=22)
     args = p.parse_args()
@@ -293,7 +294,8 @@ def main() -> int:
         scenario, _ = scenario_for(None, nodes, 8, 11 + i)
         seconds = args.healthy_s if i == 0 else max(300, args.healthy_s // (nodes // args.healthy_sizes[0]))
         healthy.append(run_case(scenario, seconds, args.interval, t, "healthy"))
-    report(results, healthy)
+    if results or healthy:
+        report(results, healthy)
     for size in sorted({r.nodes for r in results}):
         ms = [m for r in results if r.nodes == size for m in r.pass_ms]
         print(f"pure detector pass at {size:4d} nodes: p50 {pct(ms, 0.5):6.1f} ms  p99 {pct(ms, 0.99):6.1f} ms")
