@@ -107,6 +107,14 @@ def remove_stale() -> list[str]:
     return removed
 
 
+def _bits(rate: str) -> int:
+    """ "100mbit" -> 100_000_000 (tc's decimal units)."""
+    match = re.fullmatch(r"(\d+)([kmg]?)bit", rate.lower())
+    if not match:
+        raise ValueError(f"rate {rate!r}: expected e.g. 100mbit or 1gbit")
+    return int(match.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[match.group(2)]
+
+
 def _free_subnet(seed: int) -> int:
     """A 10.77.X.0/24 no interface on the host uses (two testbeds at once must not share routes)."""
     used = set(re.findall(r"inet 10\.77\.(\d+)\.", run("ip", "-4", "-o", "addr", "show").stdout))
@@ -148,7 +156,10 @@ class Testbed:
         return next(n for n in self.nodes if n.name == name)
 
     # -- network ----------------------------------------------------------------------------------------------------
-    def build(self) -> None:
+    def build(self, link_rate: str | None = "1gbit") -> None:
+        """``link_rate``: every node's link is shaped to this (both ways). Unshaped, a veth moves whatever the CPU
+        can copy, so on a busy two-core machine a bulk probe measures the scheduler, not the link; shaped, the link
+        is the bottleneck, as on a real cluster, and a fault is a change of one node's rate."""
         self.subnet = _free_subnet(os.getpid())
         run("ip", "link", "add", self.bridge, "type", "bridge")
         self.built.append(self.bridge)
@@ -167,6 +178,8 @@ class Testbed:
             run("ip", "-n", node.ns, "link", "set", "eth0", "up")
             run("ip", "-n", node.ns, "link", "set", "lo", "up")
             self.nodes.append(node)
+            if link_rate:
+                self.limit_rate(node.name, link_rate)
 
     def close(self) -> None:
         """Every process, then every namespace (their veths, qdiscs and iptables rules go with them), then links."""
@@ -260,12 +273,15 @@ class Testbed:
         run("ip", "netns", "exec", node.ns, "iptables", "-A", "INPUT", "-i", "eth0", "-j", "NFQUEUE",
             "--queue-num", str(queue), "--queue-bypass")
 
-    def limit_rate(self, name: str, rate: str = "50mbit") -> None:
-        """tbf both ways: the bridge end of the veth shapes what enters the node, the namespace end what leaves."""
+    def limit_rate(self, name: str, rate: str = "100mbit") -> None:
+        """tbf both ways: the bridge end of the veth shapes what enters the node, the namespace end what leaves.
+        Replaces the link's rate if it has one."""
         node = self.node(name)
-        tbf = ["root", "tbf", "rate", rate, "burst", "32kb", "latency", "50ms"]
-        run("tc", "qdisc", "add", "dev", node.veth, *tbf)
-        run("ip", "netns", "exec", node.ns, "tc", "qdisc", "add", "dev", "eth0", *tbf)
+        # The bucket must hold at least one timer tick of traffic at the rate, or the rate is never reached.
+        burst = max(32 << 10, _bits(rate) // 8 // 250)
+        tbf = ["root", "tbf", "rate", rate, "burst", str(burst), "latency", "50ms"]
+        run("tc", "qdisc", "replace", "dev", node.veth, *tbf)
+        run("ip", "netns", "exec", node.ns, "tc", "qdisc", "replace", "dev", "eth0", *tbf)
 
     def slow_loader(self, rank: int, delay_s: float) -> None:
         """From now on, rank ``rank``'s DataLoader takes ``delay_s`` per batch (a slow filesystem behind it)."""

@@ -62,21 +62,32 @@ class Watch:
                 .annotate(last=Max("step")))
         return {r["rank"]: r["last"] for r in rows}
 
-    def probing_nodes(self) -> set[str]:
-        """Nodes whose agent reported a bulk-bandwidth probe (every probe kind has then had a round)."""
+    def bulk_rounds_since(self, since: float) -> dict[str, int]:
+        """node -> distinct seconds since ``since`` in which its agent reported a bulk-bandwidth probe."""
+        from datetime import UTC, datetime
+
         from dashboard.telemetry.models import Probe
 
-        return set(Probe.objects.filter(cluster=self.cluster, bw_gbps__isnull=False)
-                   .values_list("node__hostname", flat=True).distinct())
+        out: dict[str, set[int]] = {}
+        for host, ts in Probe.objects.filter(cluster=self.cluster, bw_gbps__isnull=False,
+                                             ts__gte=datetime.fromtimestamp(since, tz=UTC)).values_list(
+                                                 "node__hostname", "ts"):
+            out.setdefault(host, set()).add(int(ts.timestamp()))
+        return {h: len(s) for h, s in out.items()}
 
-    def warm_up(self, steps: int = 24, timeout: float = 45.0) -> dict[int, int]:
-        """Until every agent probes and every rank has made ``steps`` steps past its first."""
-        wait_for(lambda: len(self.probing_nodes()) == len(self.bed.nodes), timeout, "probes from every agent",
-                 self.bed)
+    def warm_up(self, steps: int = 24, rounds: int = 3, timeout: float = 60.0) -> dict[int, int]:
+        """Until every rank made ``steps`` steps past its first, and then every agent made ``rounds`` bulk probe
+        rounds: four ranks starting (importing torch, joining the job) saturate both cores for seconds, and probes
+        measured through that are not what a healthy steady state looks like. The detectors judge a node on its last
+        few rounds, so those must come after the start."""
         first = wait_for(lambda: (s := self.last_steps()) and len(s) == len(self.bed.nodes) and s, timeout,
                          "steps from every rank", self.bed)
-        return wait_for(lambda: (s := self.last_steps()) and min(s.values()) >= min(first.values()) + steps and s,
-                        timeout, f"{steps} more steps", self.bed)
+        wait_for(lambda: (s := self.last_steps()) and min(s.values()) >= min(first.values()) + steps, timeout,
+                 f"{steps} more steps", self.bed)
+        settled = time.time()
+        wait_for(lambda: (r := self.bulk_rounds_since(settled)) and len(r) == len(self.bed.nodes)
+                 and min(r.values()) >= rounds, timeout, f"{rounds} bulk probe rounds from every agent", self.bed)
+        return self.last_steps()
 
     # -- the diagnosis ---------------------------------------------------------------------------------------------
     def diagnose(self) -> list[Any]:
