@@ -95,7 +95,9 @@ class Watch:
 
         return run_pass(self.cluster).detections
 
-    def until(self, kind: str | tuple[str, ...], subject: str | set[str], since: float, timeout: float = 30.0) -> Outcome:
+    def until(self, kind: str | tuple[str, ...], subject: str | set[str], since: float, timeout: float = 30.0,
+              accept: Callable[[Any], bool] = lambda d: True) -> Outcome:
+        """``accept``: a further condition on the detection (its evidence), checked at every pass."""
         kinds = (kind,) if isinstance(kind, str) else kind
         subjects = {subject} if isinstance(subject, str) else subject
         out = Outcome(None, float("nan"))
@@ -104,7 +106,7 @@ class Watch:
             started = time.monotonic()
             found = self.diagnose()
             out.passes.append((time.time() - since, found))
-            hit = next((d for d in found if d.kind in kinds and d.subject in subjects), None)
+            hit = next((d for d in found if d.kind in kinds and d.subject in subjects and accept(d)), None)
             if hit is not None:
                 out.detection, out.seconds = hit, out.passes[-1][0]
                 return out
