@@ -35,7 +35,10 @@ def bed(tmp_path: Path, delay_program: Path) -> Iterator[Testbed]:
     remove_stale()
     testbed = Testbed(tmp_path)
     try:
-        testbed.build()
+        try:
+            testbed.build()
+        except RuntimeError as exc:  # root without CAP_NET_ADMIN (an unprivileged container), for example
+            service_missing(f"cannot build the testbed here: {exc}")
         yield testbed
     finally:
         testbed.close()

@@ -146,7 +146,7 @@ class Testbed:
         self.bridge = f"{self.tag}br"
         self.nodes: list[Node] = []
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.built: list[str] = []  # namespaces and links, in creation order
+        self.built: list[tuple[str, str]] = []  # ("netns" | "link", name), in creation order
 
     @property
     def bridge_addr(self) -> str:
@@ -162,15 +162,15 @@ class Testbed:
         is the bottleneck, as on a real cluster, and a fault is a change of one node's rate."""
         self.subnet = _free_subnet(os.getpid())
         run("ip", "link", "add", self.bridge, "type", "bridge")
-        self.built.append(self.bridge)
+        self.built.append(("link", self.bridge))
         run("ip", "addr", "add", f"{self.bridge_addr}/24", "dev", self.bridge)
         run("ip", "link", "set", self.bridge, "up")
         for i, letter in enumerate(NODES, start=1):
             node = Node(f"node-{letter}", f"{self.tag}{letter}", f"10.77.{self.subnet}.{i}", f"{self.tag}{letter}h")
             run("ip", "netns", "add", node.ns)
-            self.built.append(node.ns)
+            self.built.append(("netns", node.ns))
             run("ip", "link", "add", node.veth, "type", "veth", "peer", "name", f"{self.tag}{letter}n")
-            self.built.append(node.veth)
+            self.built.append(("link", node.veth))
             run("ip", "link", "set", f"{self.tag}{letter}n", "netns", node.ns)
             run("ip", "link", "set", node.veth, "master", self.bridge, "up")
             run("ip", "-n", node.ns, "link", "set", f"{self.tag}{letter}n", "name", "eth0")
@@ -189,8 +189,8 @@ class Testbed:
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)
-        for name in reversed(self.built):
-            if name.startswith(self.tag) and name in {n.ns for n in self.nodes}:
+        for kind, name in reversed(self.built):
+            if kind == "netns":
                 _kill_namespace(name)
             else:
                 run("ip", "link", "del", name, check=False)
