@@ -274,6 +274,22 @@ class Probe(Record):
     bw_gbps: Annotated[float, Range(ge=0)] | None = None  # from a bulk transfer, when one ran
 
 
+class RankBeat(Record):
+    """A training process saying where it is, sent by the hooks' shipping thread about once a second — also while
+    the training thread is blocked in a collective or a data fetch. Under DDP every rank stops stepping when one
+    does; the beats tell which one: the dead or frozen rank goes silent, a stuck loader says ``data``."""
+
+    run: Ident
+    rank: Annotated[int, Range(ge=0, le=1_000_000)]
+    ts: Unix
+    # Where the training thread is: between steps, fetching a batch, inside a step's body (forward, backward and
+    # the collectives), or done (the Monitor was closed cleanly / the process is dying of an exception).
+    state: Literal["idle", "data", "step", "finished", "crashed"]
+    state_s: Seconds  # for how long it has been in that state
+    step: Count | None = None  # the last step that ended
+    pid: Annotated[int, Range(ge=0, le=2**31)] | None = None
+
+
 class Batch(Record):
     v: Literal[1]
     agent_id: Ident
@@ -290,6 +306,7 @@ class Batch(Record):
     steps: Annotated[list[Step], Len(20000)] = []
     probes: Annotated[list[Probe], Len(4096)] = []
     runs: Annotated[list[RunMeta], Len(1024)] = []
+    beats: Annotated[list[RankBeat], Len(4096)] = []
     # Records the producer had to drop (spool bound, hook queue full), by reason; reported, never hidden.
     dropped: Annotated[dict[str, Count], Len(16)] | None = None
 
@@ -306,11 +323,13 @@ class HookDatagram(Record):
     steps: Annotated[list[Step], Len(1000)] = []
     runs: Annotated[list[RunMeta], Len(64)] = []
     events: Annotated[list[Event], Len(1000)] = []
+    beats: Annotated[list[RankBeat], Len(64)] = []
     dropped: Annotated[dict[str, Count], Len(16)] | None = None
 
 
 RECORDS: tuple[type[Record], ...] = (
-    GpuSample, NfsMount, HostSample, PortSample, Event, Step, DataLoaderInfo, RunMeta, Probe, Batch, HookDatagram,
+    GpuSample, NfsMount, HostSample, PortSample, Event, Step, DataLoaderInfo, RunMeta, Probe, RankBeat, Batch,
+    HookDatagram,
 )
 
 

@@ -12,6 +12,7 @@ queued for the :class:`~trainer_hooks.transport.Shipper`. No method raises becau
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -56,6 +57,9 @@ class Monitor:
         self.timer.step = start_step
         self.timer.on_nonfinite = self._nonfinite
         self.shipper.before_close = self._drain
+        self.shipper.beat = self._beat
+        self._crashed: str | None = None
+        _watch_for_crash(self)
         self._device_choice = device
         self._device: Any = None  # the torch CUDA device once chosen; None means host timing
         self._started = False
@@ -190,6 +194,13 @@ class Monitor:
 
     def _drain(self) -> None:
         self.timer.poll(force=True)
+        if self._started:  # a run that ends cleanly stops stepping too: tell the server it is not a hang
+            state = "crashed" if self._crashed else "finished"
+            self.shipper.put("events", {
+                "ts": time.time(), "kind": "hook", "severity": "error" if self._crashed else "info", "run": self.run,
+                "rank": self._ident.rank, "step": self.timer.last_step, "message": f"rank {self._ident.rank} {state}",
+                "data": {"state": state},
+            })
 
     def __enter__(self) -> Monitor:
         return self
@@ -221,6 +232,28 @@ class Monitor:
             self._ident = current
             self.timer.rank = current.rank
             self._meta_dirty = True
+
+    def _beat(self) -> dict[str, Any] | None:
+        """Called by the shipping thread about once a second, also while training is blocked in a collective."""
+        if not self._started:
+            return None
+        state, seconds = self.timer.where()
+        if self.shipper.closing:
+            state, seconds = ("crashed" if self._crashed else "finished"), 0.0
+        beat: dict[str, Any] = {"run": self.run, "rank": self._ident.rank, "ts": time.time(), "state": state,
+                                "state_s": min(seconds, 1e7), "pid": os.getpid()}
+        if self.timer.last_step is not None:
+            beat["step"] = self.timer.last_step
+        return beat
+
+    def _crash(self, exc: BaseException) -> None:
+        """The process is dying of ``exc``: say so (gloo and NCCL name the peer that vanished) before exit."""
+        text = f"{type(exc).__name__}: {exc}"
+        self._crashed = text
+        self.shipper.put("events", {
+            "ts": time.time(), "kind": "error", "severity": "error", "run": self.run, "rank": self._ident.rank,
+            "step": self.timer.last_step, "message": text[:8000], "data": {"exception": type(exc).__name__[:1000]},
+        })
 
     def _emit_step(self, step: FinishedStep) -> None:
         self.shipper.put("steps", step)
@@ -267,6 +300,26 @@ class Monitor:
         if peak is not None:
             record["peak_flops"] = peak
         return record
+
+
+_monitors: list[Monitor] = []
+
+
+def _watch_for_crash(mon: Monitor) -> None:
+    """Chains ``sys.excepthook`` once per process: an uncaught exception is reported by every Monitor before the
+    interpreter runs its exit handlers (which ship it)."""
+    _monitors.append(mon)
+    if len(_monitors) > 1:
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        for m in _monitors:
+            with contextlib.suppress(Exception):  # reporting a crash must never mask it
+                m._crash(exc)
+        previous(kind, exc, tb)
+
+    sys.excepthook = hook
 
 
 def _parallel(given: dict[str, int], world_size: int) -> dict[str, int]:
@@ -339,12 +392,15 @@ class _TimedLoader:
     def __iter__(self) -> Iterator[Any]:
         it, timer, clock = iter(self._source), self._timer, perf_counter
         while True:
-            start = clock()
+            start = timer.fetching_since = clock()
             try:
                 batch = next(it)
             except StopIteration:
+                timer.fetching_since = None
                 return
-            timer.add_fetch(start, clock())
+            end = clock()
+            timer.fetching_since = None
+            timer.add_fetch(start, end)
             yield batch
 
 

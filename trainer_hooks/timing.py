@@ -158,6 +158,21 @@ class StepTimer:
         self._metrics: dict[str, Any] = {}
         self._mem: Callable[[], Memory] | None = None
         self._step_args: tuple[int | None, int | None, int | None] = (None, None, None)
+        # Where the training thread is, for the beats the shipping thread sends (plain attribute writes only):
+        self.fetching_since: float | None = None  # host time a batch fetch began, while it is in progress
+        self.last_step: int | None = None  # the last step that ended
+        self._end_host = perf_counter()  # when it ended (or the timer was made)
+
+    def where(self) -> tuple[str, float]:
+        """(``idle`` | ``data`` | ``step``, seconds in that state). Read from another thread: a torn read costs one
+        beat's accuracy, never a crash."""
+        now = perf_counter()
+        fetching = self.fetching_since
+        if fetching is not None:
+            return "data", max(0.0, now - fetching)
+        if self._open:
+            return "step", max(0.0, now - self._begin_host)
+        return "idle", max(0.0, now - self._end_host)
 
     # -- the data wait ------------------------------------------------------------------------------------------
     def fetch_begin(self) -> None:
@@ -196,6 +211,7 @@ class StepTimer:
         if step is None:
             step = self.step
         self.step = step + 1
+        self.last_step, self._end_host = step, end_host
         fetch, self._fetch = self._fetch, None
         start = fetch[0] if fetch is not None else self._begin_host
         mem = self._mem() if self._mem is not None else _NO_MEMORY

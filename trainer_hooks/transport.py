@@ -43,10 +43,10 @@ from trainer_hooks.meta import ident
 
 log = logging.getLogger("trainer_hooks")
 
-KINDS = ("steps", "runs", "events")
+KINDS = ("steps", "runs", "events", "beats")
 Encoded = list[tuple[str, bytes]]  # (kind, one record's JSON)
-_PER_DATAGRAM = {"steps": 1000, "runs": 64, "events": 1000}  # HookDatagram list bounds
-_PER_BATCH = {"steps": 20_000, "runs": 1024, "events": 10_000}  # Batch list bounds
+_PER_DATAGRAM = {"steps": 1000, "runs": 64, "events": 1000, "beats": 64}  # HookDatagram list bounds
+_PER_BATCH = {"steps": 20_000, "runs": 1024, "events": 10_000, "beats": 4096}  # Batch list bounds
 _PER_TAKE = 5000
 _HEAD_RESERVE = 2048  # envelope, list keys and the drop counts around the records
 _DATAGRAM_BUDGET = wire.MAX_DATAGRAM_BYTES - _HEAD_RESERVE
@@ -68,6 +68,7 @@ class Config:
     retries: int = 2  # extra attempts after the first, for 5xx / 429 / connection errors
     backoff: tuple[float, ...] = (0.25, 1.0)
     exit_timeout: float = 2.0
+    beat_s: float = 1.0  # how often the rank says where it is (0: never)
     problems: list[str] = field(default_factory=list)  # configuration mistakes, warned about once at start
 
     @classmethod
@@ -79,6 +80,12 @@ class Config:
             cfg.agent_addr = cfg._parse_addr(env["CLUSTERDX_AGENT_ADDR"])
         cfg.server = env.get("CLUSTERDX_SERVER", "").strip().rstrip("/") or None
         cfg.token = env.get("CLUSTERDX_TOKEN", "").strip() or cfg._read_token(env.get("CLUSTERDX_TOKEN_FILE"))
+        beat = env.get("CLUSTERDX_HOOK_BEAT_S", "").strip()
+        if beat:
+            try:
+                cfg.beat_s = max(0.0, float(beat))
+            except ValueError:
+                cfg.problems.append(f"CLUSTERDX_HOOK_BEAT_S={beat!r} is not a number of seconds; using {cfg.beat_s}")
         for name, value in overrides.items():
             if value is not None:
                 setattr(cfg, name, value)
@@ -136,6 +143,9 @@ class Shipper:
         self._warned: set[str] = set()
         # Called first thing in close(), at exit too: the Monitor hands over the steps it still holds.
         self.before_close: Callable[[], None] | None = None
+        # Where the training thread is, as a wire RankBeat; sent every config.beat_s from this thread.
+        self.beat: Callable[[], dict[str, Any] | None] | None = None
+        self._beat_due = 0.0
         for problem in config.problems:
             self.warn_once(problem, problem)
         _LIVE.add(self)
@@ -212,12 +222,28 @@ class Shipper:
         self._sock = None  # the parent's socket; the child must not send on it
 
     # -- background thread -----------------------------------------------------------------------------------------
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def _queue_beat(self) -> None:
+        """A beat every ``beat_s``, and a last one at close: a rank blocked in a collective still beats, a dead
+        or frozen one goes silent, which is how the server tells which rank stopped a run."""
+        now = time.monotonic()
+        if self.beat is None or self.config.beat_s <= 0 or (now < self._beat_due and not self._closing):
+            return
+        self._beat_due = now + self.config.beat_s
+        record = self.beat()
+        if record is not None:
+            self._queue.append(("beats", record))
+
     def _loop(self) -> None:
         while True:
-            self._wake.wait(self.config.interval)
+            self._wake.wait(min(self.config.interval, self.config.beat_s or self.config.interval))
             self._wake.clear()
             closing = self._closing
             try:
+                self._queue_beat()
                 self._ship_queued()
             except Exception as exc:  # a bug here must cost records, never the training run
                 self.warn_once("internal", f"clusterdx hooks: shipping failed: {exc!r}")

@@ -20,10 +20,10 @@ log = logging.getLogger("clusterdx.agent")
 
 LISTS: dict[str, type[wire.Record]] = {
     "gpus": wire.GpuSample, "hosts": wire.HostSample, "ports": wire.PortSample, "events": wire.Event,
-    "steps": wire.Step, "probes": wire.Probe, "runs": wire.RunMeta,
+    "steps": wire.Step, "probes": wire.Probe, "runs": wire.RunMeta, "beats": wire.RankBeat,
 }
 # Records from the hook socket were validated on arrival.
-PREVALIDATED = frozenset({"steps", "runs"})
+PREVALIDATED = frozenset({"steps", "runs", "beats"})
 # The wire's bounds on each list, read from the Batch declaration so they cannot drift apart.
 LIMITS: dict[str, int] = {}
 for _name, (_tp, _default) in wire._fields(wire.Batch).items():

@@ -21,7 +21,7 @@ from collectors.agent.source import Collected
 
 log = logging.getLogger("clusterdx.agent.hooks")
 
-_KINDS = ("steps", "runs", "events")
+_KINDS = ("steps", "runs", "events", "beats")
 MAX_PROCESSES = 4096  # (host, pid) pairs whose cumulative drop counters are remembered
 
 
@@ -36,9 +36,9 @@ class HookSource:
     name = "hooks"
 
     def __init__(self, *, addr: str = "{}:{}".format(*wire.LOCAL_HOOK_ADDR), max_steps: int = 10_000,
-                 max_events: int = 5_000, max_runs: int = 512) -> None:
+                 max_events: int = 5_000, max_runs: int = 512, max_beats: int = 4_096) -> None:
         self.addr = parse_addr(addr)
-        self.limits = {"steps": max_steps, "events": max_events, "runs": max_runs}
+        self.limits = {"steps": max_steps, "events": max_events, "runs": max_runs, "beats": max_beats}
         self.detail = ""
         self.received = dict.fromkeys(_KINDS, 0)  # forwarded records, by kind, since start (for /metrics)
         self._lock = threading.Lock()
@@ -131,6 +131,11 @@ class HookSource:
         out.steps.extend(buf["steps"])
         out.runs.extend(buf["runs"])
         out.events.extend(buf["events"])
+        # Only each rank's latest beat matters: it says where the rank is now.
+        latest: dict[tuple[str, int], dict[str, Any]] = {}
+        for beat in buf["beats"]:
+            latest[(beat["run"], beat["rank"])] = beat
+        out.beats.extend(latest.values())
         for reason, n in dropped.items():
             out.dropped[reason] = out.dropped.get(reason, 0) + n
 

@@ -129,7 +129,7 @@ def _store(cluster: m.Cluster, batch: dict[str, Any]) -> Stored:
             with transaction.atomic():
                 m.AgentBatch.objects.create(
                     cluster=cluster, agent_id=batch["agent_id"], seq=batch["seq"], host=batch["host"],
-                    received_at=received, dropped=batch["dropped"], records=records,
+                    received_at=received, sent_at=_dt(batch["sent_at"]), dropped=batch["dropped"], records=records,
                 )
         except IntegrityError:
             if m.AgentBatch.objects.filter(cluster=cluster, agent_id=batch["agent_id"], seq=batch["seq"]).exists():

@@ -15,7 +15,11 @@ def publish_batch(cluster_id: int, host: str, batch: dict[str, Any], runs: dict[
         [host, g["index"], g["ts"], g["util_gpu_pct"], g["mem_used_bytes"], g["power_w"], g["temp_c"]]
         for g in batch["gpus"]
     ]
-    get_state().record(cluster_id, host, gpus)
+    live = get_state()
+    live.record(cluster_id, host, gpus)
+    if batch["beats"]:
+        # Only where each rank is now matters (the diagnosis reads it to name the rank that stopped a run).
+        live.record_beats(cluster_id, host, batch["beats"])
     messages: list[tuple[str, dict[str, Any]]] = []
     if gpus:
         messages.append((cluster_group(cluster_id), {"type": "gpus", "cluster": cluster_id, "gpus": gpus}))

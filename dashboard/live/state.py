@@ -1,4 +1,4 @@
-"""Live state: the latest heartbeat per node and the latest sample per GPU, per cluster.
+"""Live state: the latest heartbeat per node, the latest sample per GPU and the latest beat per rank, per cluster.
 
 Redis in production (shared by every ASGI and Celery worker), a dict in the embedded default. Small and bounded:
 one entry per node and per GPU, overwritten in place.
@@ -22,12 +22,21 @@ class LiveState(Protocol):
 
     def gpus(self, cluster_id: int) -> list[list[Any]]: ...
 
+    def record_beats(self, cluster_id: int, host: str, beats: list[dict[str, Any]]) -> None: ...
+
+    def beats(self, cluster_id: int) -> list[dict[str, Any]]: ...
+
+
+def _beat_row(host: str, beat: dict[str, Any]) -> dict[str, Any]:
+    return {**beat, "host": host, "received": time.time()}
+
 
 class MemoryState:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._hb: dict[int, dict[str, float]] = {}
         self._gpus: dict[int, dict[tuple[str, int], list[Any]]] = {}
+        self._beats: dict[int, dict[tuple[str, int], dict[str, Any]]] = {}
 
     def record(self, cluster_id: int, host: str, gpus: list[list[Any]]) -> None:
         with self._lock:
@@ -43,6 +52,16 @@ class MemoryState:
     def gpus(self, cluster_id: int) -> list[list[Any]]:
         with self._lock:
             return list(self._gpus.get(cluster_id, {}).values())
+
+    def record_beats(self, cluster_id: int, host: str, beats: list[dict[str, Any]]) -> None:
+        with self._lock:
+            table = self._beats.setdefault(cluster_id, {})
+            for beat in beats:
+                table[(beat["run"], beat["rank"])] = _beat_row(host, beat)
+
+    def beats(self, cluster_id: int) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._beats.get(cluster_id, {}).values())
 
 
 class RedisState:
@@ -68,6 +87,14 @@ class RedisState:
 
     def gpus(self, cluster_id: int) -> list[list[Any]]:
         return [json.loads(v) for v in self._redis.hvals(self._key("gpu", cluster_id))]
+
+    def record_beats(self, cluster_id: int, host: str, beats: list[dict[str, Any]]) -> None:
+        if beats:
+            mapping = {f"{b['run']}|{b['rank']}": json.dumps(_beat_row(host, b)) for b in beats}
+            self._redis.hset(self._key("beat", cluster_id), mapping=mapping)
+
+    def beats(self, cluster_id: int) -> list[dict[str, Any]]:
+        return [json.loads(v) for v in self._redis.hvals(self._key("beat", cluster_id))]
 
     def clear(self) -> None:
         for key in self._redis.scan_iter(f"{self._prefix}:live:*"):

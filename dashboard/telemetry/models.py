@@ -99,6 +99,7 @@ class AgentBatch(models.Model):
     seq = models.BigIntegerField()
     host = models.CharField(max_length=253)
     received_at = models.DateTimeField()
+    sent_at = models.DateTimeField(null=True)  # the producer's clock: received - sent shows transit delay or skew
     records = models.PositiveIntegerField(default=0)
     dropped = models.JSONField(null=True)
 

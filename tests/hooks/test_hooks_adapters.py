@@ -132,13 +132,14 @@ def test_the_hf_callback_reports_steps_loss_grad_norm_and_checkpoints(udp_agent,
     trainer.train()
     callback.monitor.close()
 
-    assert wait_for(lambda: len(udp_agent.records("steps")) == STEPS and len(udp_agent.records("events")) == 2)
+    assert wait_for(lambda: len(udp_agent.records("steps")) == STEPS and len(udp_agent.records("events")) == 3)
     steps = udp_agent.records("steps")
     check_steps(steps)
     assert all(s["samples"] == 4 for s in steps)
     assert all(s["metrics"]["loss"] > 0 and s["metrics"]["grad_norm"] >= 0 for s in steps)
     run = udp_agent.records("runs")[0]
     assert run["params"] == 9 and run["flops_per_token"] == 54.0 and run["world_size"] == 1
-    checkpoints = udp_agent.records("events")
+    *checkpoints, finished = udp_agent.records("events")
     assert [(e["kind"], e["step"]) for e in checkpoints] == [("checkpoint", 3), ("checkpoint", 6)]
+    assert finished["kind"] == "hook" and finished["data"] == {"state": "finished"} and finished["step"] == STEPS - 1
     assert checkpoints[0]["data"]["path"].endswith("checkpoint-3")

@@ -78,7 +78,9 @@ def test_every_rank_reports_every_step_with_its_identity(ddp_run):
     assert first[0]["parallel"] == {"tp": 1, "dp": WORLD}
     assert first[0]["params"] == 32 * 64 + 64 + 64 * 64 + 64 + 64 + 1
     assert first[0]["env"]["GLOO_SOCKET_IFNAME"] == "lo"
-    assert [(e["kind"], e["rank"], e["step"]) for e in events] == [("checkpoint", 0, 5)]
+    assert [(e["kind"], e["rank"], e["step"]) for e in events if e["kind"] == "checkpoint"] == [("checkpoint", 0, 5)]
+    ended = sorted((e["rank"], e["data"]["state"]) for e in events if e["kind"] == "hook")
+    assert ended == [(r, "finished") for r in range(4)], "every rank says it ended cleanly"
 
 
 def test_the_slow_loader_rank_shows_data_wait_and_arrives_late(ddp_run):

@@ -46,7 +46,7 @@ def test_it_ships_steps_runs_and_events_to_the_agent(udp_agent, hook_env, tmp_pa
             mon.checkpoint_saved(path=str(tmp_path / "ckpt-3"))
     mon.close()
 
-    assert wait_for(lambda: len(udp_agent.records("steps")) == 8 and udp_agent.records("events"))
+    assert wait_for(lambda: len(udp_agent.records("steps")) == 8 and len(udp_agent.records("events")) == 2)
     steps = udp_agent.records("steps")
     assert [s["step"] for s in steps] == list(range(8))
     assert {s["run"] for s in steps} == {"ship-test"}
@@ -62,8 +62,10 @@ def test_it_ships_steps_runs_and_events_to_the_agent(udp_agent, hook_env, tmp_pa
     assert first["env"]["NCCL_DEBUG"] == "INFO" and "NCCL_IB_TOKEN_SECRET" not in first["env"]
     assert first["versions"]["torch"] == str(torch.__version__)
     assert last["last_checkpoint_step"] == 4 and first["last_checkpoint_step"] is None
-    (event,) = udp_agent.records("events")
+    event, finished = udp_agent.records("events")
     assert event["kind"] == "checkpoint" and event["step"] == 4 and event["data"] == {"path": str(tmp_path / "ckpt-3")}
+    assert finished["kind"] == "hook" and finished["data"] == {"state": "finished"}
+    assert not udp_agent.records("beats"), "CLUSTERDX_HOOK_BEAT_S=0 turns beats off"
     assert mon.stats()["dropped"] == {}
 
 
@@ -75,7 +77,7 @@ def test_it_drops_and_counts_when_no_agent_listens_and_no_server_is_set(hook_env
     wall += train(mon, 100)
     mon.close()
     assert wall < 1.0  # the loop itself, 200 steps: never held up by the missing agent
-    assert mon.stats()["dropped"] == {"agent_unreachable": 201}  # 200 steps + the run metadata
+    assert mon.stats()["dropped"] == {"agent_unreachable": 202}  # 200 steps + the run metadata + "finished"
     assert mon.stats()["sent"]["records"] == 0
     warned = [r.message for r in caplog.records if r.name == "trainer_hooks"]
     assert len(warned) == 2 and "no agent listens" in warned[0]  # once each, however many drops
@@ -114,7 +116,7 @@ def test_it_counts_server_unreachable_after_bounded_retries(hook_env):
     started = time.monotonic()
     mon.close()
     assert wall < 1.0 and time.monotonic() - started < 2.5
-    assert mon.stats()["dropped"] == {"server_unreachable": 51}
+    assert mon.stats()["dropped"] == {"server_unreachable": 52}  # and the closing "finished" event
 
 
 def test_it_never_retries_a_4xx(ingest, hook_env):
@@ -125,7 +127,7 @@ def test_it_never_retries_a_4xx(ingest, hook_env):
     train(mon, 5)
     mon.close()
     assert [(r["status"], r["seq"]) for r in ingest.requests] == [(401, 1)]
-    assert mon.stats()["dropped"] == {"server_rejected": 6}
+    assert mon.stats()["dropped"] == {"server_rejected": 7}  # meta, 5 steps, "finished"
 
 
 def test_it_retries_a_5xx_with_the_same_seq_and_reports_earlier_drops(ingest, hook_env):
@@ -148,11 +150,11 @@ def test_a_full_queue_drops_counts_and_reports(udp_agent, hook_env):
     mon = Monitor(run="full", queue_size=5, interval=30)  # the shipper will not wake before close()
     wall = train(mon, 20)
     mon.close()
-    assert mon.stats()["dropped"] == {"queue_full": 16}  # 1 run record + 4 steps fit
+    assert mon.stats()["dropped"] == {"queue_full": 17}  # 1 run record + 4 steps fit; 16 steps + "finished" not
     assert wall < 0.5
     assert wait_for(lambda: len(udp_agent.records("steps")) == 4)
     assert [s["step"] for s in udp_agent.records("steps")] == [0, 1, 2, 3]
-    assert udp_agent.datagrams[-1]["dropped"] == {"queue_full": 16}
+    assert udp_agent.datagrams[-1]["dropped"] == {"queue_full": 17}
 
 
 def test_a_backlog_is_split_into_datagrams_under_the_size_limit(udp_agent, hook_env):
@@ -238,7 +240,7 @@ def test_the_real_agent_hook_socket_takes_the_records_and_the_drop_counts(hook_e
     finally:
         source.close()
     assert [s["step"] for s in out.steps] == [0, 1] and out.runs[0]["run"] == "real-agent"
-    assert out.dropped == {"hook_queue_full": 4}
+    assert out.dropped == {"hook_queue_full": 5}  # steps 2-5 and the closing "finished" event
     batch = {"v": 1, "agent_id": "node-1", "seq": 1, "host": "node-1", "sent_at": time.time(), "steps": out.steps,
              "runs": out.runs, "dropped": out.dropped}
     assert wire.validate_batch(batch)["steps"][1]["metrics"] == {"loss": 0.5}
