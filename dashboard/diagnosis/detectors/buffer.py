@@ -87,8 +87,11 @@ class WindowBuffer:
                   "code": e.get("code"), "gpu_index": e.get("gpu_index"), "pci_bus_id": e.get("pci_bus_id"),
                   "run": e.get("run"), "rank": e.get("rank"), "step": e.get("step"),
                   "message": e.get("message", ""), "data": e.get("data")}
-            if e["kind"] == "checkpoint" and e.get("run") and e.get("step") is not None:
-                self.runs[e["run"]].checkpoints.append((e["ts"], e["step"])) if e["run"] in self.runs else None
+            if e["kind"] == "checkpoint" and e.get("run") in self.runs and e.get("step") is not None:
+                ckpts = self.runs[e["run"]].checkpoints
+                # Every node reports the same checkpoint: keep one entry per step, as the loader's GROUP BY does.
+                if not any(step == e["step"] for _, step in ckpts[-8:]):
+                    ckpts.append((e["ts"], e["step"]))
             self.events.append(ev)
         stamps = [r["ts"] for key in ("gpus", "hosts", "ports", "probes") for r in batch.get(key, [])]
         self.last_heard[host] = max(stamps) if stamps else heard

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from collectors.xid import describe_xid
-from dashboard.diagnosis.detectors.base import SEVERITY_RANK, Detection, Thresholds, groups, rnd
+from dashboard.diagnosis.detectors.base import SEVERITY_RANK, Detection, Thresholds, rnd
 from dashboard.diagnosis.detectors.window import Table, Window, bus_key
 
 SLOWDOWN = {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"}
@@ -18,13 +18,45 @@ def gpu_subject(host: str, gpu: int) -> str:
     return f"{host}/gpu{gpu}"
 
 
-def _per_gpu(g: Table) -> dict[float, np.ndarray]:
-    """(node * 4096 + gpu) -> row indices sorted by time."""
+def _per_gpu(g: Table, only: np.ndarray | None = None) -> dict[float, np.ndarray]:
+    """(node * 4096 + gpu) -> row indices sorted by time (only the GPUs with a key in ``only``, when given)."""
     key = g["node"] * 4096 + g["gpu"]
-    out = {}
-    for k, idx in groups(key).items():
-        out[k] = idx[np.argsort(g["ts"][idx], kind="stable")]
-    return out
+    order = np.lexsort((g["ts"], key))
+    if only is not None:
+        order = order[np.isin(key[order], only)]
+    ks = key[order]
+    cuts = np.nonzero(np.diff(ks))[0] + 1
+    return {float(k[0]): part for k, part in zip(np.split(ks, cuts), np.split(order, cuts), strict=True) if len(k)}
+
+
+def _suspects(g: Table, t: Thresholds) -> np.ndarray:
+    """Keys of GPUs with any sign of trouble, found with a few vectorised group reductions, so the detailed checks
+    run on a handful of GPUs instead of thousands."""
+    if not len(g):
+        return np.empty(0)
+    key = g["node"] * 4096 + g["gpu"]
+    order = np.lexsort((g["ts"], key))
+    ks = key[order]
+    starts = np.r_[0, np.nonzero(np.diff(ks))[0] + 1]
+
+    def spread(col: str) -> np.ndarray:
+        v = g[col][order]
+        with np.errstate(all="ignore"):
+            return np.nan_to_num(np.fmax.reduceat(v, starts) - np.fmin.reduceat(v, starts), nan=0)
+
+    def top(col: str) -> np.ndarray:
+        return np.nan_to_num(np.fmax.reduceat(g[col][order], starts), nan=0)
+
+    with np.errstate(all="ignore"):
+        rowflag = ((g["nvlink_links_up"] < g["nvlink_links_total"]) | (g["pcie_gen"] < g["pcie_gen_max"])
+                   | (g["pcie_width"] < g["pcie_width_max"]) | np.isnan(g["util_gpu_pct"])
+                   | np.array([u is not None for u in g["unavailable"]], dtype=bool))[order]
+    suspect = (spread("ecc_sbe_volatile") > 0) | (top("ecc_dbe_volatile") > 0) | (top("remap_failure") > 0) \
+        | (top("remap_pending") > 0) | (top("retired_pages_pending") > 0) \
+        | (spread("pcie_replay_total") >= t.pcie_replay_min) | (spread("nvlink_crc_errors_total") > 0) \
+        | (spread("nvlink_replay_errors_total") > 0) | (spread("nvlink_recovery_errors_total") > 0) \
+        | (np.maximum.reduceat(rowflag.astype(int), starts) > 0)
+    return ks[starts][suspect]
 
 
 def gpu_state(w: Window, host: str, gpu: int) -> dict[str, Any] | None:
@@ -63,7 +95,7 @@ def _last(v: np.ndarray) -> float:
 def failing_gpus(w: Window, t: Thresholds) -> list[Detection]:
     problems: dict[tuple[str, int], list[tuple[str, str, str, dict[str, Any]]]] = {}  # -> (severity, what, action, m)
     g = w.gpus
-    for key, idx in _per_gpu(g).items():
+    for key, idx in _per_gpu(g, _suspects(g, t)).items():
         host, gpu = w.nodes[int(key // 4096)], int(key % 4096)
         for p in _counter_problems(g, idx, t):
             problems.setdefault((host, gpu), []).append(p)
@@ -183,7 +215,9 @@ def throttling(w: Window, t: Thresholds, rank_gpus: set[tuple[str, int]]) -> lis
     a rank runs on it, so the straggler detector names the slow rank first)."""
     g = w.gpus
     out = []
-    for key, idx in _per_gpu(g).items():
+    with np.errstate(all="ignore"):
+        slow = g["sm_clock_mhz"] < t.clock_ratio * g["sm_clock_max_mhz"]
+    for key, idx in _per_gpu(g, np.unique((g["node"] * 4096 + g["gpu"])[slow])).items():
         host, gpu = w.nodes[int(key // 4096)], int(key % 4096)
         need = t.throttle_with_rank_s if (host, gpu) in rank_gpus else t.throttle_s
         ts = g["ts"][idx]

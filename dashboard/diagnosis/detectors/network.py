@@ -22,19 +22,34 @@ PORT_ERRORS = ("symbol_error", "link_downed", "link_error_recovery", "port_rcv_e
 
 # -- node down -----------------------------------------------------------------------------------------------------
 
-def report_interval(w: Window, node: int) -> float:
-    ts = np.unique(np.round(w.gpus["ts"][w.gpus["node"] == node], 1))
-    return float(np.median(np.diff(ts))) if len(ts) >= 3 else 1.0
+def report_intervals(w: Window) -> dict[int, float]:
+    """node -> its agent's reporting interval (median gap between its GPU sample times); 1 s when unknown."""
+    g = w.gpus
+    if not len(g):
+        return {}
+    first = g["gpu"] == np.nanmin(g["gpu"])  # one GPU per node is enough to see the cadence
+    node, ts = g["node"][first], g["ts"][first]
+    order = np.lexsort((ts, node))
+    node, ts = node[order], ts[order]
+    gap = np.diff(ts)
+    same = node[1:] == node[:-1]
+    out = {}
+    for n, idx in groups(node[1:][same]).items():
+        gaps = gap[same][idx]
+        if len(gaps) >= 2:
+            out[int(n)] = float(np.median(gaps))
+    return out
 
 
 def nodes_down(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) -> list[Detection]:
     """``ranks_on``: host -> ["run/rankN", ...] of the runs that were stepping (their stop is the damage)."""
     out = []
     index = w.node_index()
+    intervals = report_intervals(w)
     for host, heard in w.last_heard.items():
         silent = w.now - heard
         i = index.get(host, -1)
-        limit = max(t.silent_min_s, t.silent_intervals * report_interval(w, i))
+        limit = max(t.silent_min_s, t.silent_intervals * intervals.get(i, 1.0))
         if silent < limit:
             continue
         p = w.probes
@@ -83,49 +98,64 @@ def _bad_pairs(w: Window, t: Thresholds, down: set[int]) -> tuple[np.ndarray, np
     return rows, np.vstack([bad, np.nan_to_num(narrow, nan=0).astype(bool)]), {"rtt_ms": base_rtt, "bw_gbps": base_bw}
 
 
-def _node_bad(w: Window, t: Thresholds, n: int, rows: np.ndarray, bad: np.ndarray) -> dict[str, Any] | None:
-    p = w.probes
-    mine = (p["node"][rows] == n) | (p["peer"][rows] == n)
-    other = np.where(p["node"][rows] == n, p["peer"][rows], p["node"][rows])
-    bucket = np.floor(p["ts"][rows])
+def _node_bad(w: Window, t: Thresholds, mine: np.ndarray, other: np.ndarray, bucket: np.ndarray,
+              bad: np.ndarray, bw: np.ndarray) -> dict[str, Any] | None:
+    """``mine``: positions (into the used rows) of this node's pairs; ``other``: the far end of each of them."""
+    b = bucket[mine]
     # RTT / loss: the node's pairs in its last few probe rounds.
-    buckets = np.unique(bucket[mine])[-t.link_buckets:]
-    sel = mine & np.isin(bucket, buckets)
+    buckets = np.unique(b)[-t.link_buckets:]
+    sel = np.isin(b, buckets)
     hit = None
     if len(buckets) >= t.link_buckets and sel.sum() >= 3:
-        frac = bad[0][sel].mean()
-        per_bucket = [bad[0][sel & (bucket == b)].mean() for b in buckets]
-        if frac >= t.node_bad_frac and min(per_bucket) >= 0.5 and len(np.unique(other[sel & bad[0]])) >= 2:
-            hit = {"what": "rtt", "bad_frac": frac, "rows": np.nonzero(sel)[0]}
+        rb = bad[0][mine]
+        frac = rb[sel].mean()
+        per_bucket = [rb[sel & (b == k)].mean() for k in buckets]
+        if frac >= t.node_bad_frac and min(per_bucket) >= 0.5 and len(np.unique(other[sel & rb])) >= 2:
+            hit = {"what": "rtt", "bad_frac": frac, "rows": mine[sel]}
     # Bandwidth: bulk transfers may be rare (the real source sends one peer a bulk transfer per period), so use the
     # node's last few probe rounds that carried one, wherever they are in the window.
-    has_bw = mine & ~np.isnan(p["bw_gbps"][rows])
-    bw_buckets = np.unique(bucket[has_bw])[-t.link_buckets:]
-    sel_bw = has_bw & np.isin(bucket, bw_buckets)
+    has_bw = ~np.isnan(bw[mine])
+    bw_buckets = np.unique(b[has_bw])[-t.link_buckets:]
+    sel_bw = has_bw & np.isin(b, bw_buckets)
     if hit is None and sel_bw.sum() >= 2 and len(bw_buckets) >= 2:
-        frac = bad[1][sel_bw].mean()
-        bad_bw = sel_bw & bad[1]
-        if frac >= t.node_bad_frac and len(np.unique(bucket[bad_bw])) >= 2 and \
+        nb = bad[1][mine]
+        frac = nb[sel_bw].mean()
+        if frac >= t.node_bad_frac and len(np.unique(b[sel_bw & nb])) >= 2 and \
                 len(np.unique(other[sel_bw])) >= (2 if len(w.nodes) > 2 else 1):
-            hit = {"what": "bw", "bad_frac": frac, "rows": np.nonzero(sel_bw)[0]}
+            hit = {"what": "bw", "bad_frac": frac, "rows": mine[sel_bw]}
     return hit
+
+
+def _flag_nodes(w: Window, t: Thresholds, rows: np.ndarray, bad: np.ndarray, skip: set[int]) -> dict[int, Any]:
+    p = w.probes
+    src, dst = p["node"][rows], p["peer"][rows]
+    pos = np.arange(len(rows))
+    ends = np.concatenate([src, dst])
+    far = np.concatenate([dst, src])
+    at = np.concatenate([pos, pos])
+    bucket = np.floor(p["ts"][rows])
+    any_bad = bad[0] | bad[1]
+    flagged = {}
+    for n, idx in groups(ends).items():
+        # Most nodes have no bad pair at all: one cheap test before any per-node work.
+        if n < 0 or int(n) in skip or not any_bad[at[idx]].any():
+            continue
+        hit = _node_bad(w, t, at[idx], far[idx], bucket, bad, p["bw_gbps"][rows])
+        if hit:
+            flagged[int(n)] = hit
+    return flagged
 
 
 def slow_links(w: Window, t: Thresholds, down: set[str]) -> list[Detection]:
     index = w.node_index()
+    intervals = report_intervals(w)
     # A node that has gone quiet and loses its probes is about to be named down, not slow: leave it to that detector.
-    quiet = {h for h, heard in w.last_heard.items() if w.now - heard > 1.5 * report_interval(w, index.get(h, -1))}
+    quiet = {h for h, heard in w.last_heard.items() if w.now - heard > 1.5 * intervals.get(index.get(h, -1), 1.0)}
     down_i = {index[h] for h in down | quiet if h in index}
     out: dict[str, Detection] = {}
     if len(w.probes):
         rows, bad, base = _bad_pairs(w, t, down_i)
-        flagged = {}
-        for n in np.unique(np.concatenate([w.probes["node"][rows], w.probes["peer"][rows]])):
-            if n < 0 or int(n) in down_i:
-                continue
-            hit = _node_bad(w, t, int(n), rows, bad)
-            if hit:
-                flagged[int(n)] = hit
+        flagged = _flag_nodes(w, t, rows, bad, down_i)
         if len(flagged) == 2 and len(w.nodes) - len(down_i) <= 2:
             a, b = sorted(w.nodes[n] for n in flagged)
             det = _probe_detection(w, rows, flagged[next(iter(flagged))], base, f"{a}~{b}", a, b)
