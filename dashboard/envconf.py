@@ -70,7 +70,7 @@ def env_list(name: str, default: str = "", environ: Mapping[str, str] = os.envir
     return [item.strip() for item in environ.get(name, default).split(",") if item.strip()]
 
 
-def database_from_url(url: str) -> dict[str, object]:
+def database_from_url(url: str, pool_size: int = 10) -> dict[str, object]:
     """``postgresql://user:pass@host:port/name`` -> Django DATABASES entry (psycopg 3)."""
     from urllib.parse import unquote, urlsplit
 
@@ -84,6 +84,8 @@ def database_from_url(url: str) -> dict[str, object]:
         "PASSWORD": unquote(parts.password or ""),
         "HOST": parts.hostname or "",
         "PORT": str(parts.port or ""),
-        "CONN_MAX_AGE": 60,
-        "CONN_HEALTH_CHECKS": True,
+        # Under ASGI every request runs in a thread of its own: persistent per-thread connections would pile up
+        # past max_connections. A bounded psycopg pool shares a few connections instead (Django 5.1+).
+        "CONN_MAX_AGE": 0,
+        "OPTIONS": {"pool": {"min_size": 1, "max_size": pool_size, "timeout": 20}},
     }

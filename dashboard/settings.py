@@ -85,7 +85,7 @@ TEMPLATES = [
 
 DATABASE_URL = env_str("DATABASE_URL")
 if DATABASE_URL:
-    DATABASES = {"default": database_from_url(DATABASE_URL)}
+    DATABASES = {"default": database_from_url(DATABASE_URL, env_int("CLUSTERDX_DB_POOL_SIZE", 10, min=1))}
     DATABASES["default"]["TEST"] = {"NAME": f"test_{DATABASES['default']['NAME']}_{os.getpid()}"}
 else:
     DATA_DIR.mkdir(parents=True, exist_ok=True)

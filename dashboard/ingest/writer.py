@@ -6,7 +6,6 @@ after the commit (``transaction.on_commit``), so a browser never sees data the d
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -57,10 +56,13 @@ def _dt(ts: float) -> datetime:
 
 
 class _Inventory:
-    """Per-process cache of ids for nodes, GPUs and runs: the hot path does no lookups for things it has seen."""
+    """Per-process cache of ids for nodes, GPUs and runs: the hot path does no lookups for things it has seen.
+
+    Requests are stored concurrently (one thread each), so an id is cached only once the transaction that created
+    or found it has committed: another request must never use a row it cannot see yet, or one that was rolled back.
+    """
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
         self.clear()
 
     def clear(self) -> None:
@@ -71,12 +73,20 @@ class _Inventory:
         self.run_meta: dict[tuple[int, int], dict[str, Any]] = {}
         self.run_advanced: dict[int, tuple[int, float]] = {}
 
+    @staticmethod
+    def after_commit(cache: dict[Any, Any] | set[Any], key: Any, value: Any = None) -> None:
+        if isinstance(cache, set):
+            transaction.on_commit(lambda: cache.add(key))
+        else:
+            transaction.on_commit(lambda: cache.__setitem__(key, value))
+
     def node_id(self, cluster: m.Cluster, host: str, agent_id: str) -> int:
         key = (cluster.id, host)
         node_id = self.nodes.get(key)
         if node_id is None:
             node, _ = m.Node.objects.get_or_create(cluster=cluster, hostname=host, defaults={"agent_id": agent_id})
-            node_id = self.nodes[key] = node.id
+            node_id = node.id
+            self.after_commit(self.nodes, key, node_id)
         return node_id
 
     def touch_node(self, node_id: int, when: datetime) -> None:
@@ -93,14 +103,15 @@ class _Inventory:
             node_id=node_id, index=sample["index"],
             defaults={"uuid": sample["uuid"] or "", "name": sample["name"] or "", "pci_bus_id": sample["pci_bus_id"] or ""},
         )
-        self.gpus.add(key)
+        self.after_commit(self.gpus, key)
 
     def run_id(self, cluster: m.Cluster, name: str) -> int:
         key = (cluster.id, name)
         run_id = self.runs.get(key)
         if run_id is None:
             run, _ = m.Run.objects.get_or_create(cluster=cluster, name=name)
-            run_id = self.runs[key] = run.id
+            run_id = run.id
+            self.after_commit(self.runs, key, run_id)
         return run_id
 
 
@@ -172,7 +183,7 @@ def _store_run_meta(cluster: m.Cluster, node_id: int, metas: list[dict[str, Any]
         run.world_size = meta["world_size"]
         run.meta = {**run.meta, **run_wide}
         run.save(update_fields=["world_size", "meta"])
-        inventory.run_meta[key] = stable
+        inventory.after_commit(inventory.run_meta, key, stable)
 
 
 class _Table:
