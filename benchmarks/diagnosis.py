@@ -38,7 +38,8 @@ T0 = 1_750_000_000.0
 RUN = "bench"
 CLEAR_AFTER_S = 30.0  # as the lifecycle: a finding resolves after its condition is gone this long
 KINDS = ("data_starvation", "straggler", "slow_link", "slow_link_bw", "link_flap", "ecc_storm", "xid", "xid_dbe",
-         "node_down", "hang", "nccl_socket_fallback", "nccl_env_drift", "checkpoint_stop", "memory_pressure")
+         "node_down", "hang", "nccl_socket_fallback", "nccl_env_drift", "checkpoint_stop", "memory_pressure",
+         "rank_killed", "rank_frozen", "loader_stuck")
 
 
 def make_fault(kind: str, rng: random.Random, nodes: int, gpus: int) -> dict[str, Any]:
@@ -68,6 +69,10 @@ def make_fault(kind: str, rng: random.Random, nodes: int, gpus: int) -> dict[str
         f.update(rank=rank)
         if kind == "memory_pressure":
             f["magnitude"] = rng.uniform(0.93, 0.99)
+    elif kind in ("rank_killed", "rank_frozen", "loader_stuck"):
+        f.update(rank=rank)
+        if kind == "rank_killed":  # NCCL survivors wait in the collective; gloo's die of the lost peer
+            f["survivors"] = rng.choice(["wait", "crash"])
     elif kind == "checkpoint_stop":
         f["at_s"] = 75 + rng.randint(0, 10)  # after two checkpoints (every 20 steps): the cadence is known
     return f
@@ -78,6 +83,10 @@ def expected_key(f: Fault) -> tuple[str, str]:
         return f.kind, f"{RUN}/rank{f.rank}"
     if f.kind == "nccl_env_drift":
         return "nccl_config", f"{RUN}/rank{f.rank}"
+    if f.kind in ("rank_killed", "rank_frozen"):
+        return "rank_down", f"{RUN}/rank{f.rank}"
+    if f.kind == "loader_stuck":
+        return "hang", f"{RUN}/rank{f.rank}"
     if f.kind in ("slow_link", "link_flap"):
         return "slow_link", node_name(f.node or 0)
     if f.kind in ("ecc_storm", "xid"):
@@ -110,9 +119,9 @@ class Visibility:
         for st in steps:
             self._step(st)
         if self.at is None and self.f.kind not in ("data_starvation", "straggler", "memory_pressure", "hang",
-                                                   "checkpoint_stop") and now >= self.start:
+                                                   "loader_stuck", "checkpoint_stop") and now >= self.start:
             self.at = now
-        if self.f.kind == "hang" and now >= self.start and self.step_times:
+        if self.f.kind in ("hang", "loader_stuck") and now >= self.start and self.step_times:
             due = self.last_step_end + statistics.median(self.step_times[-20:])
             if now >= due and not any(st["ts"] > self.start for st in steps):
                 self.at = due
@@ -232,11 +241,13 @@ def report(results: list[CaseResult], healthy: list[CaseResult]) -> dict[str, fl
     return out
 
 
-def db_pass(nodes: int, seconds: int) -> None:
-    """Feed ``seconds`` of a ``nodes``-node cluster through the real ingest writer and time the diagnosis pass."""
+def db_pass(nodes: int, seconds: int, keep: bool = False) -> None:
+    """Feed ``seconds`` of a ``nodes``-node cluster through the real ingest writer and time the diagnosis pass.
+    ``keep``: store into a cluster named ``bench-<nodes>-kept`` once and time the pass on it in later runs (with
+    ``CLUSTERDX_DATA_DIR`` or ``DATABASE_URL`` pointing at the same database), to iterate on the read alone."""
     import tempfile
 
-    if not os.environ.get("DATABASE_URL"):
+    if not os.environ.get("DATABASE_URL") and not (keep and os.environ.get("CLUSTERDX_DATA_DIR")):
         tmp = tempfile.mkdtemp(prefix="cdx-bench-")
         os.environ["CLUSTERDX_DATA_DIR"] = tmp
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
@@ -244,25 +255,29 @@ def db_pass(nodes: int, seconds: int) -> None:
 
     django.setup()
     from django.core.management import call_command
+    from django.db.models import Max
 
     from clusterdx import wire
     from dashboard.diagnosis.tasks import run_pass
     from dashboard.ingest.writer import store_batch
-    from dashboard.telemetry.models import Cluster
+    from dashboard.telemetry.models import Cluster, GpuSample
 
     call_command("migrate", verbosity=0)
-    cluster, _ = Cluster.objects.get_or_create(name=f"bench-{nodes}-{int(time.time())}")
-    scenario, _ = scenario_for(None, nodes, 8, 1)
-    start = time.time() - seconds - 5
-    sim = SimCluster(scenario, start)
-    a = time.perf_counter()
-    for i in range(1, seconds + 1):
-        for b in sim.tick(start + i):
-            store_batch(cluster, wire.validate_batch(b))
-    print(f"db: stored {seconds} s of {nodes} nodes x 8 GPUs in {time.perf_counter() - a:.0f} s", flush=True)
+    name = f"bench-{nodes}-kept" if keep else f"bench-{nodes}-{int(time.time())}"
+    cluster, created = Cluster.objects.get_or_create(name=name)
+    if created:
+        scenario, _ = scenario_for(None, nodes, 8, 1)
+        start = time.time() - seconds - 5
+        sim = SimCluster(scenario, start)
+        a = time.perf_counter()
+        for i in range(1, seconds + 1):
+            for b in sim.tick(start + i):
+                store_batch(cluster, wire.validate_batch(b))
+        print(f"db: stored {seconds} s of {nodes} nodes x 8 GPUs in {time.perf_counter() - a:.0f} s", flush=True)
+    now = GpuSample.objects.filter(cluster=cluster).aggregate(last=Max("ts"))["last"].timestamp()
     took = []
     for _ in range(5):
-        res = run_pass(cluster, start + seconds)
+        res = run_pass(cluster, now)
         took.append(res.timings_s)
     for key in ("load", "detect", "reconcile", "total"):
         vals = [tk[key] for tk in took]
@@ -281,6 +296,7 @@ def main() -> int:
     p.add_argument("--healthy-sizes", type=int, nargs="*", default=[8, 64])
     p.add_argument("--db-pass", type=int, default=0, help="time one database-backed pass at this many nodes")
     p.add_argument("--db-seconds", type=int, default=22)
+    p.add_argument("--db-keep", action="store_true", help="store once into a kept cluster and reuse it")
     args = p.parse_args()
     t = Thresholds()
     results, healthy = [], []
@@ -301,7 +317,7 @@ def main() -> int:
         print(f"pure detector pass at {size:4d} nodes: p50 {pct(ms, 0.5):6.1f} ms  p99 {pct(ms, 0.99):6.1f} ms")
     print(f"(pass every {args.interval:g} simulated s; wall time {time.perf_counter() - started:.0f} s)")
     if args.db_pass:
-        db_pass(args.db_pass, args.db_seconds)
+        db_pass(args.db_pass, args.db_seconds, args.db_keep)
     return 0
 
 

@@ -62,6 +62,8 @@ class SimCluster:
         self.last_checkpoint = (0, start_ts)
         self.pending_steps: list[list[dict[str, Any]]] = [[] for _ in range(scenario.nodes)]
         self.pending_events: list[list[dict[str, Any]]] = [[] for _ in range(scenario.nodes)]
+        self.stalled_since: float | None = None  # when the last step ended, while no step can finish
+        self.dead: set[int] = set()  # ranks whose process has exited (they said so once, then went silent)
 
     # -- faults ------------------------------------------------------------------------------------------------
     def _active(self, t: float, kind: str) -> list[Fault]:
@@ -78,7 +80,7 @@ class SimCluster:
 
     def _stalled(self, t: float) -> bool:
         """No step can finish: a deadlock, a dead node or a lost GPU holds every rank in the all-reduce."""
-        if self._active(t, "hang") or self._active(t, "node_down"):
+        if any(self._active(t, k) for k in ("hang", "node_down", "rank_killed", "rank_frozen", "loader_stuck")):
             return True
         return any(g.lost for n in self.nodes for g in n.gpus)
 
@@ -106,8 +108,11 @@ class SimCluster:
         while True:
             t = self.step_clock
             if self._stalled(t):
+                if self.stalled_since is None:
+                    self.stalled_since = t
                 self.step_clock = now  # the clock runs, no step completes
                 return
+            self.stalled_since = None
             times = [self._rank_times(t, r) for r in range(self.s.world_size)]
             arrive = [d + c for d, c in times]
             step_time = max(arrive) + self._allreduce_s(t)
@@ -140,6 +145,43 @@ class SimCluster:
             "mem_allocated_bytes": int(GPU_MEM * mem_frac), "mem_reserved_bytes": int(GPU_MEM * min(0.99, mem_frac + 0.08)),
             "mem_total_bytes": GPU_MEM,
         }
+
+    # -- beats -----------------------------------------------------------------------------------------------------
+    def _beats(self, now: float, n: int) -> list[dict[str, Any]]:
+        """Each rank's beat, as the hooks' shipping thread sends it: a killed or frozen rank sends none; the
+        survivors of a kill under gloo (``survivors = "crash"``) die of the lost peer, say so once, then go silent."""
+        g, out = self.s.gpus_per_node, []
+        killed = self._active(now, "rank_killed")
+        crash = next((f for f in killed if f.params.get("survivors") == "crash"), None)
+        for rank in range(n * g, (n + 1) * g):
+            if rank in self.dead or self._rank_fault(now, "rank_killed", rank) or \
+                    self._rank_fault(now, "rank_frozen", rank):
+                continue
+            beat = {"run": self.s.run, "rank": rank, "ts": now, "step": self.step, "pid": 4000 + rank}
+            if crash is not None:
+                self.dead.add(rank)
+                self._crash_events(now, n, rank, crash)
+                out.append({**beat, "state": "crashed", "state_s": 0.0})
+            elif (f := self._rank_fault(now, "loader_stuck", rank)) is not None:
+                out.append({**beat, "state": "data", "state_s": now - self.start - f.at_s})
+            elif self.stalled_since is not None:
+                out.append({**beat, "state": "step", "state_s": now - self.stalled_since})
+            else:
+                elapsed, fetch = now - self.step_clock, 0.02 * self.s.step_time_s
+                out.append({**beat, "state": "data" if elapsed < fetch else "step",
+                            "state_s": elapsed if elapsed < fetch else elapsed - fetch})
+        return out
+
+    def _crash_events(self, now: float, n: int, rank: int, killed: Fault) -> None:
+        peer = (killed.rank or 0) // self.s.gpus_per_node
+        text = (f"RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+                f"[10.0.0.{peer + 1}]:{29500 + (killed.rank or 0)}: Connection reset by peer")
+        self.pending_events[n].append({"ts": now, "kind": "error", "severity": "error", "run": self.s.run,
+                                       "rank": rank, "step": self.step, "message": text,
+                                       "data": {"exception": "RuntimeError"}})
+        self.pending_events[n].append({"ts": now, "kind": "hook", "severity": "error", "run": self.s.run,
+                                       "rank": rank, "step": self.step, "message": f"rank {rank} crashed",
+                                       "data": {"state": "crashed"}})
 
     # -- per-node records --------------------------------------------------------------------------------------
     def _gpu_sample(self, now: float, n: int, i: int, busy: float) -> dict[str, Any]:
@@ -273,6 +315,7 @@ class SimCluster:
                 self.pending_steps[n].clear()
                 continue
             self._inject_events(now, n)
+            beats = self._beats(now, n)
             busy = 0.97 if stalled else 0.93  # a hung NCCL kernel spins at 100%: utilisation hides a hang
             batch: dict[str, Any] = {
                 "v": WIRE_VERSION, "agent_id": f"{self.agent_prefix}-{node_name(n)}", "seq": self.seq[n],
@@ -284,7 +327,7 @@ class SimCluster:
                                     "rtt_ms": 0.9, "exe_ms": 1.1}]}],
                 "ports": [self._port_sample(now, n)],
                 "events": self.pending_events[n], "steps": self.pending_steps[n], "probes": self._probes(now, n),
-                "runs": self._run_meta(now, n) if resend_meta else [],
+                "runs": self._run_meta(now, n) if resend_meta else [], "beats": beats,
             }
             self.pending_events[n], self.pending_steps[n] = [], []
             self.seq[n] += 1

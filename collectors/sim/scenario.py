@@ -37,6 +37,12 @@ FAULT_KINDS: dict[str, tuple[str, str]] = {
     "nccl_env_drift": ("rank", "the rank runs with different NCCL_* settings than the others"),
     "checkpoint_stop": ("run", "checkpoints stop being written"),
     "memory_pressure": ("rank", "allocated memory creeps up to `magnitude` (fraction of the GPU's memory)"),
+    "rank_killed": ("rank", "the rank's process is killed (SIGKILL, the OOM killer): its beats stop, the run stalls; "
+                            "the others wait in the all-reduce, or die of the lost peer with survivors = \"crash\""),
+    "rank_frozen": ("rank", "the rank's process is stopped (SIGSTOP, a debugger): its beats stop while its node's "
+                            "agent and the other ranks keep reporting; the run stalls"),
+    "loader_stuck": ("rank", "the rank's input pipeline blocks (a dead worker, a hung read): it beats `data` while "
+                             "the others wait in the all-reduce; the run stalls"),
 }
 
 

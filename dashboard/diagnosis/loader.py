@@ -30,6 +30,7 @@ from dashboard.diagnosis.detectors.window import (
     Window,
     bus_key,
 )
+from dashboard.live.state import get_state
 from dashboard.telemetry import models as m
 
 ACTIVE_RUN_S = 3600.0  # runs that stepped within this long are examined (a longer stall is not a hang any more)
@@ -58,6 +59,49 @@ def _rows(model: type, columns: list[str], where: str, params: list[Any]) -> lis
         return cur.fetchall()
 
 
+def _columns(model: type, columns: list[str], where: str, params: list[Any]) -> list[tuple[Any, ...]]:
+    """The rows as one tuple per column (the transpose is one C-level pass; no Python object per row survives)."""
+    rows = _rows(model, columns, where, params)
+    return list(zip(*rows, strict=True)) if rows else [() for _ in columns]
+
+
+def _num(col: tuple[Any, ...]) -> np.ndarray:
+    return np.array(col, dtype=float)  # None -> NaN
+
+
+def _objs(col: tuple[Any, ...], decode: bool = True) -> np.ndarray:
+    """JSON cells decoded once per distinct text: most rows repeat a handful of values ("[]", null, the same
+    counters). Equal cells share one decoded object; the detectors only read them."""
+    memo: dict[Any, Any] = {}
+    if not decode:
+        return np.fromiter(col, dtype=object, count=len(col))
+
+    def dec(v: Any) -> Any:
+        if not isinstance(v, str):
+            return v
+        got = memo.get(v)
+        if got is None:
+            got = memo[v] = json.loads(v)
+        return got
+
+    return np.fromiter(map(dec, col), dtype=object, count=len(col))
+
+
+def _node_lut(by_id: dict[int, int]) -> np.ndarray:
+    lut = np.full(max(by_id, default=0) + 1, -1.0)
+    lut[list(by_id)] = list(by_id.values())
+    return lut
+
+
+def _table(cols: list[tuple[Any, ...]], num: tuple[str, ...], obj: tuple[str, ...], lut: np.ndarray,
+           text: tuple[str, ...] = ()) -> Table:
+    """Columns in ``num`` + ``obj`` order, the first one a node id (mapped to the node's index); the ``obj``
+    columns are JSON, except those named in ``text``."""
+    out = {num[0]: lut[np.array(cols[0], dtype=np.int64)] if cols[0] else np.empty(0)}
+    out.update({c: _num(v) for c, v in zip(num[1:], cols[1:len(num)], strict=True)})
+    return Table(out, {c: _objs(v, c not in text) for c, v in zip(obj, cols[len(num):], strict=True)})
+
+
 def _since(cluster_id: int, now: float, span: float) -> tuple[str, list[Any]]:
     return "cluster_id = %s AND ts >= %s", [cluster_id, connection.ops.adapt_datetimefield_value(_dt(now - span))]
 
@@ -67,41 +111,48 @@ def load_window(cluster: m.Cluster, now: float) -> Window:
     hostnames = sorted(h for _, h, _, _ in nodes_rows)
     index = {h: i for i, h in enumerate(hostnames)}
     by_id = {nid: index[h] for nid, h, _, _ in nodes_rows}
-    gpus = _gpus(cluster.id, now, by_id)
-    ports = _ports(cluster.id, now, by_id)
-    probes = _probes(cluster.id, now, by_id, hostnames, index)
+    lut = _node_lut(by_id)
+    gpus = _gpus(cluster.id, now, lut)
+    ports = _ports(cluster.id, now, lut)
+    probes = _probes(cluster.id, now, lut, hostnames, index)
     runs, steps = _runs(cluster, now)
     w = Window(now=now, nodes=hostnames, steps=steps, gpus=gpus, ports=ports, probes=probes,
                events=_events(cluster.id, now), hosts=_hosts(cluster.id, now, by_id, hostnames), runs=runs,
                last_heard={}, interconnect=cluster.interconnect, gpu_bus=_gpu_bus(cluster), span=dict(SPANS))
     w.last_heard = _last_heard(w, nodes_rows, index, now)
+    w.beats = get_state().beats(cluster.id)
     return w
 
 
-def _gpus(cluster_id: int, now: float, by_id: dict[int, int]) -> Table:
+def _gpus(cluster_id: int, now: float, lut: np.ndarray) -> Table:
     where, params = _since(cluster_id, now, SPANS["gpus"])
-    cols = ["node_id", "gpu_index", _epoch(), *GPU_NUM[3:], *GPU_OBJ]
-    rows = [(by_id[r[0]], *r[1:-2], _json(r[-2]), _json(r[-1])) for r in _rows(m.GpuSample, cols, where, params)]
-    return Table.from_rows(GPU_NUM, GPU_OBJ, rows)
+    cols = _columns(m.GpuSample, ["node_id", "gpu_index", _epoch(), *GPU_NUM[3:], *GPU_OBJ], where, params)
+    return _table(cols, GPU_NUM, GPU_OBJ, lut)
 
 
-def _ports(cluster_id: int, now: float, by_id: dict[int, int]) -> Table:
+def _ports(cluster_id: int, now: float, lut: np.ndarray) -> Table:
     where, params = _since(cluster_id, now, SPANS["ports"])
-    cols = ["node_id", _epoch(), "port", "rate_gbps", "device", "state", "counters"]
-    rows = [(by_id[r[0]], *r[1:-1], _json(r[-1])) for r in _rows(m.PortSample, cols, where, params)]
-    return Table.from_rows(PORT_NUM, PORT_OBJ, rows)
+    cols = _columns(m.PortSample, ["node_id", _epoch(), "port", "rate_gbps", "device", "state", "counters"], where,
+                    params)
+    return _table(cols, PORT_NUM, PORT_OBJ, lut, text=("device", "state"))
 
 
-def _probes(cluster_id: int, now: float, by_id: dict[int, int], hostnames: list[str], index: dict[str, int]) -> Table:
+def _probes(cluster_id: int, now: float, lut: np.ndarray, hostnames: list[str], index: dict[str, int]) -> Table:
     where, params = _since(cluster_id, now, SPANS["probes"])
-    rows = []
-    for r in _rows(m.Probe, ["node_id", "peer", _epoch(), "sent", "lost", "rtt_ms", "bw_gbps"], where, params):
-        peer = index.get(r[1])
-        if peer is None:  # a peer without an agent (an address, or a host we have not heard from)
-            peer = index[r[1]] = len(hostnames)
-            hostnames.append(r[1])
-        rows.append((by_id[r[0]], peer, *r[2:]))
-    return Table.from_rows(PROBE_NUM, (), rows)
+    cols = _columns(m.Probe, ["node_id", "peer", _epoch(), "sent", "lost", "rtt_ms", "bw_gbps"], where, params)
+    names = sorted(set(cols[1]))
+    for name in names:
+        if name not in index:  # a peer without an agent (an address, or a host we have not heard from)
+            index[name] = len(hostnames)
+            hostnames.append(name)
+    # Peer names map through their few distinct values, not row by row.
+    codes = {name: i for i, name in enumerate(names)}
+    peer_lut = np.array([index[n] for n in names], dtype=float)
+    peers = peer_lut[np.fromiter(map(codes.__getitem__, cols[1]), dtype=np.int64, count=len(cols[1]))] \
+        if names else np.empty(0)
+    table = _table([cols[0], cols[2], *cols[3:]], ("node", "ts", "sent", "lost", "rtt_ms", "bw_gbps"), (), lut)
+    table.num = {"node": table.num["node"], "peer": peers, **{c: table.num[c] for c in PROBE_NUM[2:]}}
+    return table
 
 
 def _hosts(cluster_id: int, now: float, by_id: dict[int, int], hostnames: list[str]) -> dict[str, dict[str, Any]]:
@@ -110,7 +161,9 @@ def _hosts(cluster_id: int, now: float, by_id: dict[int, int], hostnames: list[s
     for node_id, ts, cpu, nfs in _rows(m.HostSample, ["node_id", _epoch(), "cpu_pct", "nfs"], where, params):
         host = hostnames[by_id[node_id]]
         if host not in out or ts > out[host]["ts"]:
-            out[host] = {"ts": ts, "cpu_pct": cpu, "nfs": _json(nfs)}
+            out[host] = {"ts": ts, "cpu_pct": cpu, "nfs": nfs}
+    for h in out.values():  # only the newest sample's mounts are decoded
+        h["nfs"] = _json(h["nfs"])
     return out
 
 
@@ -141,14 +194,17 @@ def _runs(cluster: m.Cluster, now: float) -> tuple[list[RunInfo], Table]:
              .values("run_id", "step").annotate(last=Max("ts")).order_by("run_id", "step"))
     for c in ckpts:
         by_run[c["run_id"]].checkpoints.append((c["last"].timestamp(), c["step"]))
-    rows: list[tuple[Any, ...]] = []
+    parts: list[dict[str, np.ndarray]] = []
     cols = ["rank", "step", _epoch(), *STEP_NUM[4:]]
     for i, r in enumerate(runs):
         if r.last_step is None:
             continue
-        got = _rows(m.StepSample, cols, "run_id = %s AND step > %s", [r.id, r.last_step - STEP_SPAN])
-        rows += [(i, *row) for row in got]
-    return infos, Table.from_rows(STEP_NUM, (), rows)
+        got = _columns(m.StepSample, cols, "run_id = %s AND step > %s", [r.id, r.last_step - STEP_SPAN])
+        part = {c: _num(v) for c, v in zip(STEP_NUM[1:], got, strict=True)}
+        parts.append({"run": np.full(len(part["rank"]), float(i)), **part})
+    if not parts:
+        return infos, Table.from_rows(STEP_NUM, (), [])
+    return infos, Table({c: np.concatenate([p[c] for p in parts]) for c in STEP_NUM})
 
 
 def _gpu_bus(cluster: m.Cluster) -> dict[tuple[str, str], int]:

@@ -43,6 +43,11 @@ CASES = [
     ({"kind": "nccl_socket_fallback", "node": 3}, "nccl_config", "node-003", 1),
     ({"kind": "nccl_env_drift", "rank": 30}, "nccl_config", "r/rank30", 1),
     ({"kind": "memory_pressure", "rank": 9, "magnitude": 0.97}, "memory_pressure", "r/rank9", 35),
+    # The rank that stopped the run is named from the beats, not the run: silent while its node's agent reports.
+    ({"kind": "rank_killed", "rank": 13}, "rank_down", "r/rank13", 5),
+    ({"kind": "rank_killed", "rank": 26, "survivors": "crash"}, "rank_down", "r/rank26", 5),
+    ({"kind": "rank_frozen", "rank": 7}, "rank_down", "r/rank7", 5),
+    ({"kind": "loader_stuck", "rank": 18}, "hang", "r/rank18", 7),
 ]
 
 

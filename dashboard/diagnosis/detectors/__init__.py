@@ -15,7 +15,8 @@ from dashboard.diagnosis.detectors.network import nodes_down, slow_links
 from dashboard.diagnosis.detectors.steps import checkpoint_risk, efficiency, hang, late_ranks, memory_pressure
 from dashboard.diagnosis.detectors.window import Window
 
-KINDS = ("data_starvation", "straggler", "slow_link", "failing_gpu", "throttling", "node_down", "hang", "nccl_config",
+KINDS = ("data_starvation", "straggler", "slow_link", "failing_gpu", "throttling", "node_down", "rank_down", "hang",
+         "nccl_config",
          "checkpoint_overdue", "memory_pressure", "efficiency")
 
 __all__ = ["KINDS", "Detection", "Thresholds", "Window", "run_all"]

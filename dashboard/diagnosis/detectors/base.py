@@ -48,6 +48,10 @@ class Thresholds:
     # Hang: no step for this many median steps (and at least min_s) while every agent of the run is alive.
     hang_steps: float = 5.0
     hang_min_s: float = 3.0
+    # Beats: a rank whose beats (about one a second) stopped this long is silent (frozen or dead); one quiet for
+    # beat_suspect_s may be going silent, so the run is not named hung yet.
+    beat_silent_s: float = 4.0
+    beat_suspect_s: float = 2.0
     # Node down: silent this long *and* peers lose their probes to it; or silent heartbeat_s alone.
     silent_min_s: float = 3.0
     silent_intervals: float = 3.0  # ... or this many of the node's own reporting intervals, if longer

@@ -44,6 +44,7 @@ class WindowBuffer:
         self.hosts: dict[str, dict[str, Any]] = {}
         self.last_heard: dict[str, float] = {}
         self.gpu_bus: dict[tuple[str, str], int] = {}
+        self.beats: dict[tuple[str, int], dict[str, Any]] = {}  # (run, rank) -> latest beat, as the live state
 
     def _node(self, host: str) -> int:
         if host not in self.nodes:
@@ -93,6 +94,9 @@ class WindowBuffer:
                 if not any(step == e["step"] for _, step in ckpts[-8:]):
                     ckpts.append((e["ts"], e["step"]))
             self.events.append(ev)
+        for b in batch.get("beats", []):
+            # "received" is the server's clock in the live state; the batch's send time stands in for it here.
+            self.beats[(b["run"], b["rank"])] = {**b, "host": host, "received": heard or b["ts"]}
         stamps = [r["ts"] for key in ("gpus", "hosts", "ports", "probes") for r in batch.get(key, [])]
         self.last_heard[host] = max(stamps) if stamps else heard
 
@@ -129,4 +133,4 @@ class WindowBuffer:
             probes=Table.from_rows(PROBE_NUM, (), list(self.probes)),
             events=list(self.events), hosts=hosts, runs=list(self.runs.values()),
             last_heard=dict(self.last_heard), interconnect=self.interconnect, gpu_bus=dict(self.gpu_bus),
-            span=dict(SPANS))
+            span=dict(SPANS), beats=list(self.beats.values()))

@@ -113,16 +113,15 @@ def _node_bad(w: Window, t: Thresholds, mine: np.ndarray, other: np.ndarray, buc
         if frac >= t.node_bad_frac and min(per_bucket) >= 0.5 and len(np.unique(other[sel & rb])) >= 2:
             hit = {"what": "rtt", "bad_frac": frac, "rows": mine[sel]}
     # Bandwidth: bulk transfers may be rare (the real source sends one peer a bulk transfer per period), so use the
-    # node's last few probe rounds that carried one, wherever they are in the window.
+    # node's last few probe rounds that carried one, wherever they are in the window. A transfer only ever comes out
+    # slower than its link (another probe to the same node at that moment, a busy CPU at either end), never faster:
+    # the node is narrow only when its *best* recent transfers are, every one of them, against several peers.
     has_bw = ~np.isnan(bw[mine])
     bw_buckets = np.unique(b[has_bw])[-t.link_buckets:]
     sel_bw = has_bw & np.isin(b, bw_buckets)
-    if hit is None and sel_bw.sum() >= 2 and len(bw_buckets) >= 2:
-        nb = bad[1][mine]
-        frac = nb[sel_bw].mean()
-        if frac >= t.node_bad_frac and len(np.unique(b[sel_bw & nb])) >= 2 and \
-                len(np.unique(other[sel_bw])) >= (2 if len(w.nodes) > 2 else 1):
-            hit = {"what": "bw", "bad_frac": frac, "rows": mine[sel_bw]}
+    if hit is None and sel_bw.sum() >= 3 and len(bw_buckets) >= 2 and bad[1][mine][sel_bw].all() and \
+            len(np.unique(other[sel_bw])) >= (2 if len(w.nodes) > 2 else 1):
+        hit = {"what": "bw", "bad_frac": 1.0, "rows": mine[sel_bw]}
     return hit
 
 

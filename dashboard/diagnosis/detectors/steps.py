@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from dashboard.diagnosis.detectors import ranks
 from dashboard.diagnosis.detectors.base import Detection, Thresholds, rnd, robust_z
 from dashboard.diagnosis.detectors.gpu import gpu_state
 from dashboard.diagnosis.detectors.window import RunInfo, Window
@@ -285,7 +286,9 @@ def memory_pressure(w: Window, t: Thresholds) -> list[Detection]:
 # -- hang --------------------------------------------------------------------------------------------------------
 
 def hang(w: Window, t: Thresholds, alive_within_s: float, excused: dict[str, str]) -> list[Detection]:
-    """``excused``: run name -> the root cause already found for its stall (a dead node, a lost GPU)."""
+    """``excused``: run name -> the root cause already found for its stall (a dead node, a lost GPU). With the
+    ranks' beats, the rank that stopped the run is named (``rank_down``, or a ``hang`` on a rank stuck in its
+    input pipeline); without them, the run."""
     out = []
     for ri, run in enumerate(w.runs):
         if run.name in excused or run.last_step_ts is None:
@@ -295,15 +298,20 @@ def hang(w: Window, t: Thresholds, alive_within_s: float, excused: dict[str, str
         med = rs.step_med if rs is not None else float("nan")
         stalled = w.now - run.last_step_ts
         limit = max(t.hang_steps * med, t.hang_min_s) if np.isfinite(med) else float("inf")
-        if not watchdog and not (stalled >= limit and stalled < 3600):
+        if stalled >= 3600 or (not watchdog and stalled < min(limit, t.beat_suspect_s)):
             continue
         nodes = {r.node for r in run.ranks.values() if r.node}
         silent = [h for h in nodes if w.now - w.last_heard.get(h, -1e18) > alive_within_s]
         if silent and not watchdog:
             continue  # the node-down detector speaks for a run whose agents are not all alive
-        if _finished(w, run):
+        v = ranks.verdict(w, run, t, stalled, med, limit, alive_within_s)
+        if v.culprits:
+            out += ranks.findings(w, run, v, stalled, med)
             continue
-        out.append(_hang_detection(w, run, rs, stalled, med, watchdog))
+        if v.what in ("finished", "wait") or (v.what == "none" and _finished(w, run)):
+            continue
+        if watchdog or stalled >= limit:
+            out.append(_hang_detection(w, run, rs, stalled, med, watchdog, v))
     return out
 
 
@@ -312,8 +320,8 @@ def _is_watchdog(e: dict[str, Any]) -> bool:
 
 
 def _finished(w: Window, run: RunInfo) -> bool:
-    """A run that ended cleanly stops stepping too: its GPUs go idle (a hung collective keeps them busy), or its
-    hooks said so."""
+    """Without beats: a run that ended cleanly stops stepping too: its GPUs go idle (a hung collective keeps them
+    busy), or its hooks said so."""
     if any(e["kind"] == "hook" and e["run"] == run.name and (e.get("data") or {}).get("state") == "finished"
            for e in w.events):
         return True
@@ -331,7 +339,7 @@ def _finished(w: Window, run: RunInfo) -> bool:
 
 
 def _hang_detection(w: Window, run: RunInfo, rs: RunSteps | None, stalled: float, med: float,
-                    watchdog: list[dict[str, Any]]) -> Detection:
+                    watchdog: list[dict[str, Any]], v: ranks.Verdict) -> Detection:
     behind: list[int] = []
     if rs is not None:
         last = np.array([np.nanmax(np.where(np.isnan(rs.m["ts"][i]), np.nan, rs.steps)) for i in range(len(rs.ranks))])
@@ -340,9 +348,11 @@ def _hang_detection(w: Window, run: RunInfo, rs: RunSteps | None, stalled: float
         if 0 < len(lag) <= max(1, len(rs.ranks) // 2):
             behind = [int(r) for r in lag]
     subject, stype, rank = run.name, "run", None
-    if len(behind) == 1:
+    if len(behind) == 1 and v.what == "none":  # beats, when there are any, say every rank is alive and stuck
         subject, stype, rank = _rank_subject(run.name, behind[0]), "rank", behind[0]
     who = f"rank {behind[0]} stopped first" if rank is not None else "no rank makes progress"
+    if v.beats:
+        who += " (beats: " + ", ".join(f"{n} {s}" for s, n in sorted(v.states().items())) + ")"
     cause = f"; watchdog: {watchdog[-1]['message'][:200]}" if watchdog else ""
     action = (f"The run has made no step for {stalled:.0f} s ({stalled / med:.0f}× its median step) although every "
               f"agent is alive: {who}{cause} → dump the stacks of the ranks (py-spy dump --pid, or "
@@ -354,7 +364,8 @@ def _hang_detection(w: Window, run: RunInfo, rs: RunSteps | None, stalled: float
         "hang", stype, subject, "critical",
         f"{run.name} is hung: no step for {stalled:.0f} s" + (f" (rank {rank} behind)" if rank is not None else ""),
         action, {"metrics": {"stalled_s": rnd(stalled, 1), "median_step_s": rnd(med), "last_step": run.last_step,
-                             "ranks_behind": behind[:64], "watchdog_events": len(watchdog)},
+                             "ranks_behind": behind[:64], "watchdog_events": len(watchdog),
+                             "beats": v.states() or None},
                  "window": [rnd(run.last_step_ts), rnd(w.now)]},
         0.95 if watchdog else 0.85, node=info.node if info else None, rank=rank, run=run.name)
 

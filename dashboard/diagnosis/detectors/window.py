@@ -30,9 +30,11 @@ PORT_OBJ = ("device", "state", "counters")
 PROBE_NUM = ("node", "peer", "ts", "sent", "lost", "rtt_ms", "bw_gbps")
 
 # How much history a pass looks at: seconds per series, except steps (the last N steps of each run, so slow steps
-# still give enough of them). Bounded, so the cost of a pass never grows with the history kept.
+# still give enough of them). Bounded, so the cost of a pass never grows with the history kept. The most steps a
+# detector looks at is 16 (hang, efficiency) plus the newest, often half-reported one: steps are the largest read of
+# a pass (one row per rank and step), so no more than that is read.
 SPANS = {"gpus": 20.0, "ports": 20.0, "probes": 15.0, "hosts": 10.0, "events": 120.0, "checkpoints": 6 * 3600.0}
-STEP_SPAN = 24
+STEP_SPAN = 18
 
 
 class Table:
@@ -101,6 +103,9 @@ class Window:
     interconnect: str = "ib"
     gpu_bus: dict[tuple[str, str], int] = field(default_factory=dict)  # (host, "bb:dd") -> GPU index
     span: dict[str, float] = field(default_factory=dict)  # series -> seconds of history this window holds
+    # The latest beat of each rank (wire RankBeat fields + "host", the agent that forwarded it, and "received",
+    # server time): where each training process is now, from the live state.
+    beats: list[dict[str, Any]] = field(default_factory=list)
 
     def node_index(self) -> dict[str, int]:
         return {h: i for i, h in enumerate(self.nodes)}
