@@ -16,6 +16,7 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from dashboard.ingest import asgi as ingest_asgi  # noqa: E402
 from dashboard.live.routing import websocket_urlpatterns  # noqa: E402
 from dashboard.scheduler import lifespan  # noqa: E402
 
@@ -30,5 +31,7 @@ router = ProtocolTypeRouter(
 async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] == "lifespan":
         await lifespan(scope, receive, send)
+    elif scope["type"] == "http" and scope["path"] == ingest_asgi.PATH:
+        await ingest_asgi.app(scope, receive, send)
     else:
         await router(scope, receive, send)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from django.http import JsonResponse
-
 # code -> (HTTP status, what it means). A 4xx never succeeds on retry; agents drop the batch and log the detail.
 ERRORS: dict[str, tuple[int, str]] = {
     "malformed_json": (400, "the body is not valid JSON (or not UTF-8)"),
@@ -18,10 +16,3 @@ ERRORS: dict[str, tuple[int, str]] = {
     "unavailable": (503, "the database is unavailable; retry later (the batch was not stored)"),
 }
 
-
-def error(code: str, detail: str) -> JsonResponse:
-    status = ERRORS[code][0]
-    response = JsonResponse({"error": code, "detail": detail}, status=status)
-    if status == 503:
-        response["Retry-After"] = "5"
-    return response

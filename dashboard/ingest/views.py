@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import logging
 import zlib
+from collections.abc import Mapping
+from typing import Any
 
 from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from clusterdx import wire
-from dashboard.ingest.errors import error
+from dashboard.ingest.errors import ERRORS
 from dashboard.ingest.writer import store_batch
 from dashboard.telemetry import tokens
 
@@ -48,54 +50,78 @@ def _gunzip(data: bytes, limit: int) -> bytes | None:
     return out
 
 
-@csrf_exempt
-def ingest(request: HttpRequest) -> HttpResponse:
-    if request.method != "POST":
-        response = error("method_not_allowed", f"{request.method} is not allowed; POST a batch")
-        response["Allow"] = "POST"
-        return response
-    content_type = request.content_type or ""
+Answer = tuple[int, dict[str, Any], dict[str, str]]  # status, JSON body, extra headers
+
+
+def _refuse(code: str, detail: str) -> Answer:
+    status = ERRORS[code][0]
+    return status, {"error": code, "detail": detail}, ({"Retry-After": "5"} if status == 503 else {})
+
+
+def check_request(method: str, headers: Mapping[str, str]) -> Answer | None:
+    """What can be refused from the request line and headers alone (``headers`` with lower-case names)."""
+    if method != "POST":
+        status, body, _ = _refuse("method_not_allowed", f"{method} is not allowed; POST a batch")
+        return status, body, {"Allow": "POST"}
+    content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if content_type != "application/json":
-        return error("unsupported_media_type", f"Content-Type {content_type or '(none)'!r} is not application/json")
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        return _refuse("unsupported_media_type", f"Content-Type {content_type or '(none)'!r} is not application/json")
+    encoding = headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("identity", "gzip"):
-        return error("unsupported_media_type", f"Content-Encoding {encoding!r} is not supported (gzip or identity)")
+        return _refuse("unsupported_media_type", f"Content-Encoding {encoding!r} is not supported (gzip or identity)")
+    if not headers.get("authorization", "").startswith("Bearer "):
+        return _refuse("missing_token", "send 'Authorization: Bearer <token>' (clusterdx token create CLUSTER)")
+    return None
 
-    auth = request.headers.get("Authorization", "")
-    if not auth.startswith("Bearer "):
-        return error("missing_token", "send 'Authorization: Bearer <token>' (clusterdx token create CLUSTER)")
-    token = tokens.lookup(auth[len("Bearer "):].strip())
+
+def handle_body(headers: Mapping[str, str], body: bytes | None, limit: int) -> Answer:
+    """The rest, once the headers passed: token, size, encoding, JSON, wire format, then storage.
+
+    ``body`` is None when it was over ``limit``. Nothing is written unless every check passed."""
+    token = tokens.lookup(headers["authorization"][len("Bearer "):].strip())
     if token is None:
-        return error("unknown_token", "the token is unknown or has been revoked")
-
-    limit = _limit()
-    body = _read_body(request, limit)
+        return _refuse("unknown_token", "the token is unknown or has been revoked")
     if body is None:
-        return error("too_large", f"body over {limit} bytes; send smaller batches")
-    if encoding == "gzip":
+        return _refuse("too_large", f"body over {limit} bytes; send smaller batches")
+    if headers.get("content-encoding", "identity").strip().lower() == "gzip":
         try:
             body = _gunzip(body, limit)
         except OverflowError:
-            return error("too_large", f"decompressed body over {limit} bytes; send smaller batches")
+            return _refuse("too_large", f"decompressed body over {limit} bytes; send smaller batches")
         except zlib.error as exc:
-            return error("bad_encoding", f"invalid gzip body: {exc}")
+            return _refuse("bad_encoding", f"invalid gzip body: {exc}")
     try:
         payload = json.loads(body)
     except (ValueError, RecursionError) as exc:
-        return error("malformed_json", f"invalid JSON: {str(exc)[:200]}")
+        return _refuse("malformed_json", f"invalid JSON: {str(exc)[:200]}")
     try:
         batch = wire.validate_batch(payload)
     except wire.WireError as exc:
-        return error("invalid_batch", str(exc)[:500])
+        return _refuse("invalid_batch", str(exc)[:500])
     except RecursionError:
-        return error("invalid_batch", "nesting too deep")
+        return _refuse("invalid_batch", "nesting too deep")
     cluster = token.cluster
     if batch["cluster"] is not None and batch["cluster"] != cluster.name:
-        return error("wrong_cluster", f"token is for cluster {cluster.name!r}, batch names {batch['cluster']!r}")
+        return _refuse("wrong_cluster", f"token is for cluster {cluster.name!r}, batch names {batch['cluster']!r}")
     try:
         tokens.mark_used(token)
         result = store_batch(cluster, batch)
     except DatabaseError as exc:
         log.warning("ingest: database unavailable for %s seq %s: %s", batch["agent_id"], batch["seq"], exc)
-        return error("unavailable", "database unavailable; the batch was not stored, retry it")
-    return JsonResponse({"status": result.status, "seq": batch["seq"], "records": result.records})
+        return _refuse("unavailable", "database unavailable; the batch was not stored, retry it")
+    return 200, {"status": result.status, "seq": batch["seq"], "records": result.records}, {}
+
+
+@csrf_exempt
+def ingest(request: HttpRequest) -> HttpResponse:
+    """The same door as Django view (the test client, and any deployment that does not use dashboard.asgi)."""
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    answer = check_request(request.method or "", headers)
+    if answer is None:
+        limit = _limit()
+        answer = handle_body(headers, _read_body(request, limit), limit)
+    status, body, extra = answer
+    response = JsonResponse(body, status=status)
+    for name, value in extra.items():
+        response[name] = value
+    return response

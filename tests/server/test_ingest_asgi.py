@@ -1,0 +1,60 @@
+"""The ingest fast path (plain ASGI, in front of Django) answers exactly as the Django view does, through a real
+server: same statuses, same error codes, nothing stored when refused."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from typing import Any
+
+import httpx
+
+from dashboard.telemetry import models as m
+from tests.server.conftest import AsgiServer, World, make_batch
+
+
+def cases(token: str, other: str) -> list[tuple[str, dict[str, str], bytes]]:
+    good = json.dumps(make_batch(seq=5)).encode()
+    auth = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    return [
+        ("GET", auth, b""),
+        ("POST", {**auth, "Content-Type": "text/plain"}, good),
+        ("POST", {**auth, "Content-Encoding": "br"}, good),
+        ("POST", {"Content-Type": "application/json"}, good),
+        ("POST", {**auth, "Authorization": "Bearer cdx_nope_nope"}, good),
+        ("POST", {**auth, "Authorization": f"Bearer {other}"}, json.dumps(make_batch(cluster="prod-a")).encode()),
+        ("POST", auth, b'{"v": 1,'),
+        ("POST", auth, json.dumps({**make_batch(), "seq": "7"}).encode()),
+        ("POST", {**auth, "Content-Encoding": "gzip"}, b"not gzip"),
+        ("POST", {**auth, "Content-Encoding": "gzip"}, gzip.compress(b'{"pad": "' + b"0" * 9_000_000 + b'"}')),
+        ("POST", auth, b" " * 9_000_000),
+        ("POST", {**auth, "Content-Type": "application/json; charset=utf-8"}, good),
+        ("POST", auth, good),  # the same batch again: a duplicate
+    ]
+
+
+def test_the_fast_path_answers_as_the_django_view(asgi_server: AsgiServer, world: World, client: Any) -> None:
+    fast = []
+    with httpx.Client(base_url=asgi_server.url, timeout=30) as http:
+        for method, headers, body in cases(world.token, world.other_token):
+            r = http.request(method, "/api/v1/ingest", headers=headers, content=body)
+            fast.append((r.status_code, r.json().get("error") or r.json().get("status")))
+    assert [s for s, _ in fast] == [405, 415, 415, 401, 401, 403, 400, 400, 400, 413, 413, 200, 200]
+    assert fast[-2:] == [(200, "accepted"), (200, "duplicate")]
+    assert m.AgentBatch.objects.count() == 1
+
+    m.AgentBatch.objects.all().delete()
+    slow = []
+    for method, headers, body in cases(world.token, world.other_token):
+        extra = {f"HTTP_{k.upper().replace('-', '_')}": v for k, v in headers.items() if k != "Content-Type"}
+        r = client.generic(method, "/api/v1/ingest", body, content_type=headers.get("Content-Type", ""), **extra)
+        slow.append((r.status_code, r.json().get("error") or r.json().get("status")))
+    assert slow == fast
+
+
+def test_a_post_through_the_fast_path_reaches_the_database(asgi_server: AsgiServer, world: World) -> None:
+    r = httpx.post(f"{asgi_server.url}/api/v1/ingest", json=make_batch(seq=1),
+                   headers={"Authorization": f"Bearer {world.token}"}, timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert r.json() == {"status": "accepted", "seq": 1, "records": 4}
+    assert m.GpuSample.objects.count() == 2 and m.StepSample.objects.count() == 2
