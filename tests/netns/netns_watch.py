@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from netns_testbed import Testbed
 
-FAULT_KINDS = ("slow_link", "data_starvation", "straggler", "hang", "node_down")
+FAULT_KINDS = ("slow_link", "data_starvation", "straggler", "hang", "node_down", "rank_down")
 
 
 @dataclass
@@ -132,6 +132,9 @@ class Watch:
         for run in w.runs:
             lines.append(f"  run {run.name}: last_step {run.last_step}, stalled "
                          f"{w.now - (run.last_step_ts or w.now):.1f} s")
+        for b in sorted(w.beats, key=lambda b: (b["run"], b["rank"])):
+            lines.append(f"  beat {b['run']}/rank{b['rank']} on {b['host']}: {b['state']} for {b['state_s']:.1f} s, "
+                         f"step {b.get('step')}, received {w.now - b['received']:.1f} s ago")
         s = w.steps
         for rank in sorted({int(r) for r in s["rank"]}) if len(s) else []:
             rows = s["rank"] == rank
