@@ -61,6 +61,10 @@ class Thresholds:
     # loss_frac of its pings, or its bulk bandwidth is under bw_ratio of the cluster's.
     rtt_ratio: float = 3.0
     rtt_abs_ms: float = 0.15
+    # ... or, when either end's CPU is busy_cpu_pct busy, rtt_busy_abs_ms above it (user-space pings wait for the
+    # scheduler: the testbed saw a healthy node at 1.6 ms vs 0.04 ms on a saturated machine).
+    busy_cpu_pct: float = 90.0
+    rtt_busy_abs_ms: float = 5.0
     loss_frac: float = 0.4
     bw_ratio: float = 0.7
     node_bad_frac: float = 0.75

@@ -87,15 +87,29 @@ def _bad_pairs(w: Window, t: Thresholds, down: set[int]) -> tuple[np.ndarray, np
         use &= (p["node"] != d) & (p["peer"] != d)
     rows = np.nonzero(use)[0]
     rtt, bw = p["rtt_ms"][rows], p["bw_gbps"][rows]
+    # Probes time their pings in user space: on a node whose CPU is saturated (data loader workers, a busy
+    # machine) a ping waits for the scheduler and its RTT grows by milliseconds with nothing wrong on the wire.
+    busy = _busy_nodes(w, t)
+    either_busy = busy[p["node"][rows].astype(int)] | busy[p["peer"][rows].astype(int)]
     with np.errstate(all="ignore"):
         base_rtt = float(np.nanpercentile(rtt, 25)) if np.any(~np.isnan(rtt)) else float("nan")
         base_bw = float(np.nanpercentile(bw, 75)) if np.any(~np.isnan(bw)) else float("nan")
         loss = p["lost"][rows] / p["sent"][rows]
-        slow = rtt > max(t.rtt_ratio * base_rtt, base_rtt + t.rtt_abs_ms)
+        slow = rtt > np.maximum(t.rtt_ratio * base_rtt,
+                                base_rtt + np.where(either_busy, t.rtt_busy_abs_ms, t.rtt_abs_ms))
         lossy = loss >= t.loss_frac
         narrow = bw < t.bw_ratio * base_bw
     bad = np.nan_to_num(slow, nan=0).astype(bool) | np.nan_to_num(lossy, nan=0).astype(bool)
     return rows, np.vstack([bad, np.nan_to_num(narrow, nan=0).astype(bool)]), {"rtt_ms": base_rtt, "bw_gbps": base_bw}
+
+
+def _busy_nodes(w: Window, t: Thresholds) -> np.ndarray:
+    """Per node index: its host CPU is at least ``busy_cpu_pct`` busy (latest host sample)."""
+    busy = np.zeros(len(w.nodes) + 1, dtype=bool)  # the extra slot: rows whose far end is unknown (-1)
+    for i, host in enumerate(w.nodes):
+        cpu = (w.hosts.get(host) or {}).get("cpu_pct")
+        busy[i] = cpu is not None and cpu >= t.busy_cpu_pct
+    return busy
 
 
 def _node_bad(w: Window, t: Thresholds, mine: np.ndarray, other: np.ndarray, bucket: np.ndarray,
