@@ -39,17 +39,20 @@ async def run_schedule(schedule: dict[str, tuple[str, float]]) -> None:
 
 
 async def lifespan(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    task: asyncio.Task[None] | None = None
+    from dashboard.live.publish import flush_forever
+
+    tasks: list[asyncio.Task[None]] = []
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
+            tasks.append(asyncio.create_task(flush_forever()))  # every web worker merges its live updates
             if not settings.REDIS_URL:
                 from dashboard.celery import SCHEDULE
 
-                task = asyncio.create_task(run_schedule(SCHEDULE))
+                tasks.append(asyncio.create_task(run_schedule(SCHEDULE)))
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
-            if task is not None:
+            for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task

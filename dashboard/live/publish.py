@@ -1,13 +1,79 @@
-"""After a batch commits: update the live state and broadcast what changed to the browsers that watch it."""
+"""After a batch commits: update the live state and broadcast what changed to the browsers that watch it.
+
+Every node posts every second, so one broadcast per batch would be 512 channel-layer messages a second per cluster
+at 512 nodes. Deltas are merged per group in this process and sent at most every ``FLUSH_EVERY_S``: by the
+publishing thread when it is due, and by :func:`flush_forever` (started by the ASGI lifespan) for the tail.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from typing import Any
 
 from dashboard.live.broadcast import broadcast_all, cluster_group, run_group
 from dashboard.live.state import get_state
 
 SEVERE = {"warning", "error", "critical"}
+FLUSH_EVERY_S = 0.2
+MAX_ROWS = 50_000  # per group and list: a stalled flusher drops the oldest rows, never grows without bound
+
+
+class Coalescer:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[str, dict[str, Any]] = {}
+        self._last = 0.0
+
+    def add(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
+        with self._lock:
+            for group, event in messages:
+                kind = event["type"]
+                merged = self._pending.setdefault(group, {}).get(kind)
+                if merged is None:
+                    merged = self._pending[group][kind] = {**event, kind: {} if kind == "gpus" else []}
+                if kind == "gpus":
+                    for row in event["gpus"]:
+                        merged["gpus"][(row[0], row[1])] = row  # the latest sample per GPU wins
+                else:
+                    merged[kind].extend(event[kind])
+                    if len(merged[kind]) > MAX_ROWS:
+                        del merged[kind][: len(merged[kind]) - MAX_ROWS]
+
+    def due(self) -> bool:
+        return time.monotonic() - self._last >= FLUSH_EVERY_S
+
+    def take(self) -> list[tuple[str, dict[str, Any]]]:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            self._last = time.monotonic()
+        out = []
+        for group, kinds in pending.items():
+            for kind, event in kinds.items():
+                if kind == "gpus":
+                    event = {**event, "gpus": list(event["gpus"].values())}
+                out.append((group, event))
+        return out
+
+
+coalescer = Coalescer()
+
+
+def flush() -> None:
+    messages = coalescer.take()
+    if messages:
+        broadcast_all(messages)
+
+
+async def flush_forever() -> None:
+    """Sends what the publishing threads left in the coalescer when no later batch came to send it."""
+    from asgiref.sync import sync_to_async
+
+    while True:
+        await asyncio.sleep(FLUSH_EVERY_S)
+        if coalescer.due():
+            await sync_to_async(flush, thread_sensitive=False)()
 
 
 def publish_batch(cluster_id: int, host: str, batch: dict[str, Any], runs: dict[str, int]) -> None:
@@ -37,4 +103,6 @@ def publish_batch(cluster_id: int, host: str, batch: dict[str, Any], runs: dict[
     ]
     if events:
         messages.append((cluster_group(cluster_id), {"type": "events", "cluster": cluster_id, "events": events}))
-    broadcast_all(messages)
+    coalescer.add(messages)
+    if coalescer.due():
+        flush()

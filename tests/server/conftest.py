@@ -21,11 +21,12 @@ from tests.conftest import free_port
 def _fresh_caches() -> Iterator[None]:
     """The ingest writer caches ids and the live state keeps the latest samples; tests roll the DB back under them."""
     from dashboard.ingest.writer import clear_caches
-    from dashboard.live import state
+    from dashboard.live import publish, state
     from dashboard.telemetry import tokens
 
     clear_caches()
     tokens.clear_cache()
+    publish.coalescer.take()  # live deltas left over from the previous test
     state.get_state.cache_clear()
     live = state.get_state()
     if hasattr(live, "clear"):
