@@ -16,6 +16,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   if [ -n "$extras" ]; then
     .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
   fi
-  .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}" --config-settings editable_mode=compat
+  .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
   touch "$stamp"
 fi
