@@ -59,17 +59,19 @@ def _rows(model: type, columns: list[str], where: str, params: list[Any]) -> lis
         return cur.fetchall()
 
 
-def _columns(model: type, columns: list[str], where: str, params: list[Any]) -> list[tuple[Any, ...]]:
-    """The rows as one tuple per column (the transpose is one C-level pass; no Python object per row survives)."""
-    rows = _rows(model, columns, where, params)
-    return list(zip(*rows, strict=True)) if rows else [() for _ in columns]
+def _read(model: type, num: list[str], obj: list[str], where: str,
+          params: list[Any]) -> tuple[np.ndarray, list[list[Any]]]:
+    """(numeric columns as one float matrix, one row per column; the object columns as lists). The numeric part
+    goes from the cursor's rows to floats in one C-level conversion (None -> NaN): no per-column Python pass."""
+    rows = _rows(model, [*num, *obj], where, params)
+    k = len(num)
+    if not rows:
+        return np.empty((k, 0)), [[] for _ in obj]
+    mat = np.array([r[:k] for r in rows] if obj else rows, dtype=float).T.copy()
+    return mat, [[r[j] for r in rows] for j in range(k, k + len(obj))]
 
 
-def _num(col: tuple[Any, ...]) -> np.ndarray:
-    return np.array(col, dtype=float)  # None -> NaN
-
-
-def _objs(col: tuple[Any, ...], decode: bool = True) -> np.ndarray:
+def _objs(col: list[Any], decode: bool = True) -> np.ndarray:
     """JSON cells decoded once per distinct text: most rows repeat a handful of values ("[]", null, the same
     counters). Equal cells share one decoded object; the detectors only read them."""
     memo: dict[Any, Any] = {}
@@ -93,13 +95,13 @@ def _node_lut(by_id: dict[int, int]) -> np.ndarray:
     return lut
 
 
-def _table(cols: list[tuple[Any, ...]], num: tuple[str, ...], obj: tuple[str, ...], lut: np.ndarray,
+def _table(mat: np.ndarray, objs: list[list[Any]], num: tuple[str, ...], obj: tuple[str, ...], lut: np.ndarray,
            text: tuple[str, ...] = ()) -> Table:
-    """Columns in ``num`` + ``obj`` order, the first one a node id (mapped to the node's index); the ``obj``
-    columns are JSON, except those named in ``text``."""
-    out = {num[0]: lut[np.array(cols[0], dtype=np.int64)] if cols[0] else np.empty(0)}
-    out.update({c: _num(v) for c, v in zip(num[1:], cols[1:len(num)], strict=True)})
-    return Table(out, {c: _objs(v, c not in text) for c, v in zip(obj, cols[len(num):], strict=True)})
+    """``mat`` rows in ``num`` order, the first one a node id (mapped to the node's index); the ``obj`` columns are
+    JSON, except those named in ``text``."""
+    out = {num[0]: lut[mat[0].astype(np.int64)]}
+    out.update({c: mat[i] for i, c in enumerate(num) if i})
+    return Table(out, {c: _objs(v, c not in text) for c, v in zip(obj, objs, strict=True)})
 
 
 def _since(cluster_id: int, now: float, span: float) -> tuple[str, list[Any]]:
@@ -126,21 +128,20 @@ def load_window(cluster: m.Cluster, now: float) -> Window:
 
 def _gpus(cluster_id: int, now: float, lut: np.ndarray) -> Table:
     where, params = _since(cluster_id, now, SPANS["gpus"])
-    cols = _columns(m.GpuSample, ["node_id", "gpu_index", _epoch(), *GPU_NUM[3:], *GPU_OBJ], where, params)
-    return _table(cols, GPU_NUM, GPU_OBJ, lut)
+    mat, objs = _read(m.GpuSample, ["node_id", "gpu_index", _epoch(), *GPU_NUM[3:]], list(GPU_OBJ), where, params)
+    return _table(mat, objs, GPU_NUM, GPU_OBJ, lut)
 
 
 def _ports(cluster_id: int, now: float, lut: np.ndarray) -> Table:
     where, params = _since(cluster_id, now, SPANS["ports"])
-    cols = _columns(m.PortSample, ["node_id", _epoch(), "port", "rate_gbps", "device", "state", "counters"], where,
-                    params)
-    return _table(cols, PORT_NUM, PORT_OBJ, lut, text=("device", "state"))
+    mat, objs = _read(m.PortSample, ["node_id", _epoch(), "port", "rate_gbps"], list(PORT_OBJ), where, params)
+    return _table(mat, objs, PORT_NUM, PORT_OBJ, lut, text=("device", "state"))
 
 
 def _probes(cluster_id: int, now: float, lut: np.ndarray, hostnames: list[str], index: dict[str, int]) -> Table:
     where, params = _since(cluster_id, now, SPANS["probes"])
-    cols = _columns(m.Probe, ["node_id", "peer", _epoch(), "sent", "lost", "rtt_ms", "bw_gbps"], where, params)
-    names = sorted(set(cols[1]))
+    mat, (peer,) = _read(m.Probe, ["node_id", _epoch(), "sent", "lost", "rtt_ms", "bw_gbps"], ["peer"], where, params)
+    names = sorted(set(peer))
     for name in names:
         if name not in index:  # a peer without an agent (an address, or a host we have not heard from)
             index[name] = len(hostnames)
@@ -148,9 +149,9 @@ def _probes(cluster_id: int, now: float, lut: np.ndarray, hostnames: list[str], 
     # Peer names map through their few distinct values, not row by row.
     codes = {name: i for i, name in enumerate(names)}
     peer_lut = np.array([index[n] for n in names], dtype=float)
-    peers = peer_lut[np.fromiter(map(codes.__getitem__, cols[1]), dtype=np.int64, count=len(cols[1]))] \
+    peers = peer_lut[np.fromiter(map(codes.__getitem__, peer), dtype=np.int64, count=len(peer))] \
         if names else np.empty(0)
-    table = _table([cols[0], cols[2], *cols[3:]], ("node", "ts", "sent", "lost", "rtt_ms", "bw_gbps"), (), lut)
+    table = _table(mat, [], ("node", "ts", "sent", "lost", "rtt_ms", "bw_gbps"), (), lut)
     table.num = {"node": table.num["node"], "peer": peers, **{c: table.num[c] for c in PROBE_NUM[2:]}}
     return table
 
@@ -199,8 +200,8 @@ def _runs(cluster: m.Cluster, now: float) -> tuple[list[RunInfo], Table]:
     for i, r in enumerate(runs):
         if r.last_step is None:
             continue
-        got = _columns(m.StepSample, cols, "run_id = %s AND step > %s", [r.id, r.last_step - STEP_SPAN])
-        part = {c: _num(v) for c, v in zip(STEP_NUM[1:], got, strict=True)}
+        mat, _ = _read(m.StepSample, cols, [], "run_id = %s AND step > %s", [r.id, r.last_step - STEP_SPAN])
+        part = {c: mat[i] for i, c in enumerate(STEP_NUM[1:])}
         parts.append({"run": np.full(len(part["rank"]), float(i)), **part})
     if not parts:
         return infos, Table.from_rows(STEP_NUM, (), [])
