@@ -35,6 +35,7 @@ class RankBeat:
     step: int | None
     pid: int | None = None
     error: dict[str, Any] | None = None  # the exception it died of, when it said
+    agent: str | None = None  # the host whose agent forwarded its beats (named as the agents name themselves)
 
 
 @dataclass
@@ -65,7 +66,7 @@ def run_beats(w: Window, run: RunInfo) -> dict[int, RankBeat]:
         info = run.ranks.get(rank)
         age = max(0.0, w.now - float(b["received"]))
         out[rank] = RankBeat(rank, (info.node if info and info.node else None) or b.get("host"), b["state"], age,
-                             float(b["state_s"]) + age, b.get("step"), b.get("pid"), errors.get(rank))
+                             float(b["state_s"]) + age, b.get("step"), b.get("pid"), errors.get(rank), b.get("host"))
     return out
 
 
@@ -93,7 +94,8 @@ def verdict(w: Window, run: RunInfo, t: Thresholds, stalled: float, med: float, 
         return v
     alive = {h for h, heard in w.last_heard.items() if w.now - heard <= alive_within_s}
     live = [b for b in beats.values() if b.state not in TERMINAL and b.age_s < t.beat_silent_s]
-    silent = [b for b in beats.values() if b.state not in TERMINAL and b.age_s >= t.beat_silent_s and b.node in alive]
+    silent = [b for b in beats.values() if b.state not in TERMINAL and b.age_s >= t.beat_silent_s
+              and (b.agent or b.node) in alive]
     crashed = [b for b in beats.values() if b.state == "crashed"]
     few = max(1, len(beats) // 2)
     # The run stopped with it: a rank whose beats are lost while the run steps on is not what stopped it.
