@@ -65,6 +65,12 @@ def test_the_run_page_draws_live_charts(asgi_server: AsgiServer, world: World, p
     assert page.evaluate("document.getElementById('steps').data[0].x.slice(-1)[0]") == 99
     page.wait_for_function("document.getElementById('heatmap').data[0].y.length === 2")
     assert page.inner_text("#kpi-step") == "99"
+    # Clicking a step opens what every rank did in it (the chart's own click event, as a mouse click emits it).
+    page.evaluate("document.getElementById('steps').emit('plotly_click', {points: [{x: 99}]})")
+    page.wait_for_selector("#explain:not([hidden])")
+    assert page.inner_text("#explain-step") == "99"
+    page.wait_for_function("document.getElementById('explain-body').data[0].x.length === 2")
+    assert page.evaluate("document.getElementById('explain-body').data[0].y") == [0.5, 0.5]
     page.screenshot(path=str(tmp_path / "run.png"), full_page=True)
     if os.environ.get("CLUSTERDX_SCREENSHOT_DIR"):
         shutil.copy(tmp_path / "run.png", os.environ["CLUSTERDX_SCREENSHOT_DIR"])
