@@ -25,7 +25,8 @@ FAMILIES = {
     "failing_gpu": "gpu", "xid": "gpu", "ecc": "gpu", "gpu_lost": "gpu", "pcie": "gpu", "nvlink": "gpu",
     "thermal": "gpu", "throttling": "gpu", "thermal_throttling": "gpu",
     "slow_link": "network", "flapping_link": "network", "ib_errors": "network",
-    "node_down": "node", "agent_silent": "node",
+    # A rank that died or froze is its node in trouble too: one page for the node, not one per rank.
+    "node_down": "node", "agent_silent": "node", "rank_down": "node",
 }
 
 
