@@ -8,9 +8,6 @@ the test reads the same database. The diagnosis pass is not left to the embedded
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +17,7 @@ import pytest
 from netns_testbed import Testbed, build_delay_program, remove_stale, why_not
 
 from tests.conftest import service_missing
+from tests.server.conftest import AsgiServer
 
 
 @pytest.fixture(scope="session")
@@ -45,38 +43,9 @@ def bed(tmp_path: Path, delay_program: Path) -> Iterator[Testbed]:
     assert testbed.leftovers() == [], "the testbed left namespaces or links behind"
 
 
-class BridgeServer:
-    """uvicorn serving dashboard.asgi on ``host`` (the bridge's address), in a background thread."""
-
-    def __init__(self, host: str) -> None:
-        import uvicorn
-
-        with socket.socket() as s:
-            s.bind((host, 0))
-            self.port = int(s.getsockname()[1])
-        self.url = f"http://{host}:{self.port}"
-        config = uvicorn.Config("dashboard.asgi:application", host=host, port=self.port, lifespan="on",
-                                log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def start(self) -> BridgeServer:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.05)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
 @dataclass
 class Site:
-    server: BridgeServer
+    server: AsgiServer
     cluster: Any
     token: str
 
@@ -96,7 +65,7 @@ def site(bed: Testbed, transactional_db: None, settings: Any, monkeypatch: pytes
     state.get_state.cache_clear()
     cluster = Cluster.objects.create(name="testbed")
     _, token = tokens.create_token(cluster, "testbed agents")
-    server = BridgeServer(bed.bridge_addr).start()
+    server = AsgiServer(bed.bridge_addr).start()
     try:
         yield Site(server, cluster, token)
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -13,8 +14,6 @@ from typing import Any
 
 import pytest
 from django.conf import settings
-
-from tests.conftest import free_port
 
 
 @pytest.fixture(autouse=True)
@@ -90,14 +89,18 @@ def post(client: Any, body: Any, token: str | None, *, gz: bool = False, content
 
 
 class AsgiServer:
-    """uvicorn serving dashboard.asgi in a background thread (its own event loop), like production does."""
+    """uvicorn serving dashboard.asgi in a background thread (its own event loop), like production does.
 
-    def __init__(self) -> None:
+    ``host``: where to listen; the network-namespace testbed binds the bridge's address."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
         import uvicorn
 
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config("dashboard.asgi:application", host="127.0.0.1", port=self.port, lifespan="on",
+        with socket.socket() as s:
+            s.bind((host, 0))
+            self.port = int(s.getsockname()[1])
+        self.url = f"http://{host}:{self.port}"
+        config = uvicorn.Config("dashboard.asgi:application", host=host, port=self.port, lifespan="on",
                                 log_level="warning", ws="websockets-sansio")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
