@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+from typing import Any
 
 import pytest
 
@@ -29,3 +31,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def reply_json(handler: Any, status: int, answer: dict[str, Any]) -> None:
+    """Answer a stdlib ``BaseHTTPRequestHandler`` request with JSON (the stand-in receivers of several suites)."""
+    data = json.dumps(answer).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from clusterdx import wire
+from tests.conftest import reply_json
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -76,12 +77,7 @@ class Receiver:
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 status, answer = receiver.handle(self.path, dict(self.headers), body)
-                data = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                reply_json(self, status, answer)
 
             def log_message(self, *args: Any) -> None:
                 pass

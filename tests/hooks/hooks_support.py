@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from clusterdx import wire
+from tests.conftest import reply_json
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
@@ -91,12 +92,7 @@ class IngestServer:
                     outer.batches.append(batch)
                 answer = {"status": "accepted", "seq": batch and batch["seq"]} if status == 200 else \
                     {"error": "nope", "detail": f"test server answered {status}"}
-                data = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                reply_json(self, status, answer)
 
             def log_message(self, *args: Any) -> None:
                 pass
