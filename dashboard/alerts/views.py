@@ -14,7 +14,7 @@ from dashboard.alerts import endpoints
 from dashboard.alerts.models import Delivery, Endpoint
 from dashboard.diagnosis.models import SEVERITIES
 from dashboard.telemetry.models import Cluster
-from dashboard.web.views import visible_clusters
+from dashboard.web.access import visible_clusters
 
 LOG_ROWS = 200
 

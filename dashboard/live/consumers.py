@@ -25,6 +25,8 @@ MAX_PENDING_STEPS = 20_000
 
 @database_sync_to_async
 def _resolve(user: Any, query: dict[str, list[str]]) -> tuple[Cluster, Run | None] | None:
+    """The cluster (and run) a client asks for, when the user may see it; ``?node=HOST`` narrows a cluster stream to
+    one node (its GPUs and events), so a node page does not receive 16,000 GPUs' deltas to throw away."""
     try:
         if "run" in query:
             run = Run.objects.select_related("cluster").get(id=int(query["run"][0]))
@@ -37,13 +39,16 @@ def _resolve(user: Any, query: dict[str, list[str]]) -> tuple[Cluster, Run | Non
 
 
 @database_sync_to_async
-def _snapshot(cluster: Cluster, run: Run | None) -> dict[str, Any]:
+def _snapshot(cluster: Cluster, run: Run | None, host: str | None) -> dict[str, Any]:
     frame: dict[str, Any] = {"type": "snapshot", "seq": 0, "columns": {"steps": STEP_ROW, "gpus": GPU_ROW}}
     if run is not None:
         run.refresh_from_db()
         frame["run"] = snapshot.run_info(run)
         frame["steps"] = snapshot.recent_steps(run)
-    frame["gpus"] = snapshot.latest_gpus(cluster.id)
+    gpus = snapshot.latest_gpus(cluster.id)
+    frame["gpus"] = [g for g in gpus if g[0] == host] if host else gpus
+    # Events come from the database, so a reload shows the recent warnings instead of "No warnings." until a new one.
+    frame["events"] = snapshot.recent_events(cluster.id, run.id if run else None, host)
     frame["findings"] = snapshot.open_findings(cluster.id, run.id if run else None)
     return frame
 
@@ -60,13 +65,14 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=4404)
             return
         cluster, run = found
+        self.host: str | None = (query.get("node") or [None])[0]
         self.groups_joined = [cluster_group(cluster.id)] + ([run_group(run.id)] if run else [])
         for group in self.groups_joined:
             await self.channel_layer.group_add(group, self.channel_name)
         self.pending: dict[str, Any] = {}
         self.seq = 0
         await self.accept()
-        await self.send_json(await _snapshot(cluster, run))
+        await self.send_json(await _snapshot(cluster, run, self.host))
         self.flusher = asyncio.create_task(self._flush_forever())
 
     async def disconnect(self, code: int) -> None:
@@ -81,6 +87,12 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
     async def live_event(self, message: dict[str, Any]) -> None:
         event = message["event"]
         kind = event["type"]
+        if self.host is not None and kind in ("gpus", "events"):
+            key = 0 if kind == "gpus" else "host"
+            rows = [r for r in event[kind] if r[key] == self.host]
+            if not rows:
+                return
+            event = {**event, kind: rows}
         if kind == "gpus":
             gpus = self.pending.setdefault("gpus", {})
             for row in event["gpus"]:

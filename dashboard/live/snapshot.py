@@ -27,6 +27,22 @@ def recent_steps(run: Run, steps: int | None = None) -> list[list[Any]]:
     return rows
 
 
+def recent_events(cluster_id: int, run_id: int | None = None, host: str | None = None,
+                  limit: int = 50) -> list[dict[str, Any]]:
+    """The newest warnings and errors, from the database, in the live event row layout (newest last, as deltas
+    arrive)."""
+    from dashboard.live.publish import SEVERE
+    from dashboard.telemetry.models import Event
+
+    qs = Event.objects.filter(cluster_id=cluster_id, severity__in=SEVERE)
+    if host is not None:
+        qs = qs.filter(node__hostname=host)
+    rows = qs.order_by("-ts", "-id").values("ts", "node__hostname", "kind", "severity", "code", "gpu_index", "message")
+    out = [{"ts": r["ts"].timestamp(), "host": r["node__hostname"], "kind": r["kind"], "severity": r["severity"],
+            "code": r["code"], "gpu_index": r["gpu_index"], "message": r["message"][:500]} for r in rows[:limit]]
+    return out[::-1]
+
+
 def latest_gpus(cluster_id: int) -> list[list[Any]]:
     return sorted(get_state().gpus(cluster_id), key=lambda r: (r[0], r[1]))
 

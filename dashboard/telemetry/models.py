@@ -42,6 +42,10 @@ class Node(models.Model):
     agent_id = models.CharField(max_length=128, blank=True)
     first_seen = models.DateTimeField(auto_now_add=True)
     last_seen = models.DateTimeField(null=True)
+    # Where the node sits in the fabric, when known (agent config, Slurm topology.conf, Kubernetes labels): pages
+    # group nodes by it, and "everything behind leaf switch 12" becomes something a page and a finding can say.
+    rack = models.CharField(max_length=64, blank=True, default="")
+    switch = models.CharField(max_length=64, blank=True, default="")
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["cluster", "hostname"], name="node_unique_host")]

@@ -1,9 +1,11 @@
-from django.urls import path
+from importlib import import_module
+
+from django.urls import include, path
 
 from dashboard.web import views
+from dashboard.web.pages import PAGES
 
 urlpatterns = [
     path("", views.home, name="home"),
-    path("clusters/<slug:name>/", views.cluster_detail, name="cluster"),
-    path("runs/<int:run_id>/", views.run_detail, name="run"),
+    *[path("", include(import_module(f"dashboard.web.pages.{page}"))) for page in PAGES],
 ]

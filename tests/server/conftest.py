@@ -131,3 +131,11 @@ def asgi_server(transactional_db: None) -> Iterator[AsgiServer]:
 def session_cookie(client: Any, user: Any) -> str:
     client.force_login(user)
     return f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}"
+
+
+@pytest.fixture
+def page(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A Chromium page (Debian's chromium through Playwright); skipped with the reason where it is missing."""
+    from tests.server.browser import launch_page
+
+    yield from launch_page(monkeypatch)

@@ -2,48 +2,20 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from dashboard.telemetry.models import Run
-from tests.conftest import service_missing
+from tests.server import browser
 from tests.server.conftest import AsgiServer, World, make_batch
 from tests.server.test_live import ingest
 
 pytestmark = pytest.mark.browser
-CHROMIUM = os.environ.get("CLUSTERDX_CHROMIUM", "/usr/bin/chromium")
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
-
-
-@pytest.fixture
-def page(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    if not shutil.which(CHROMIUM) and not os.path.exists(CHROMIUM):
-        service_missing(f"no chromium at {CHROMIUM} (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    # Playwright's sync API keeps an event loop on this thread; the test's own ORM calls are still plain sync code.
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        try:
-            yield browser.new_page(viewport={"width": 1400, "height": 1100})
-        finally:
-            browser.close()
 
 
 def sign_in(page: Any, server: AsgiServer, world: World, next_path: str) -> None:
-    page.goto(f"{server.url}{next_path}")
-    assert "/login/" in page.url, "the run page requires a login"
-    page.fill("input[name=username]", world.owner.username)
-    page.fill("input[name=password]", world.password)
-    page.click("button[type=submit]")
-    page.wait_for_url(f"{server.url}{next_path}")
+    browser.sign_in(page, server.url, world.owner.username, world.password, next_path)
 
 
 def test_the_run_page_draws_live_charts(asgi_server: AsgiServer, world: World, page: Any, tmp_path: Any) -> None:
@@ -71,9 +43,7 @@ def test_the_run_page_draws_live_charts(asgi_server: AsgiServer, world: World, p
     assert page.inner_text("#explain-step") == "99"
     page.wait_for_function("document.getElementById('explain-body').data[0].x.length === 2")
     assert page.evaluate("document.getElementById('explain-body').data[0].y") == [0.5, 0.5]
-    page.screenshot(path=str(tmp_path / "run.png"), full_page=True)
-    if os.environ.get("CLUSTERDX_SCREENSHOT_DIR"):
-        shutil.copy(tmp_path / "run.png", os.environ["CLUSTERDX_SCREENSHOT_DIR"])
+    browser.keep_screenshot(page, "run", tmp_path)
 
 
 def test_an_outsider_cannot_open_the_run_page(asgi_server: AsgiServer, world: World, page: Any) -> None:

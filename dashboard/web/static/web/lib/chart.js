@@ -1,0 +1,50 @@
+// Plotly helpers: one look for every chart (Grafana's DCGM habits: same time axis, units on every axis), WebGL
+// traces for long series, min/max bands for downsampled data, dashed threshold lines.
+export const COLORS = ["#29335c", "#e4572e", "#f3a712", "#669bbc", "#a8c686", "#8d6a9f", "#2a9d8f", "#bc4749",
+  "#6c757d", "#f4a261", "#264653", "#e9c46a", "#9c6644", "#5e548e", "#52796f", "#ff70a6"];
+export const SEV_COLORS = {ok: "#a8c686", info: "#669bbc", warning: "#f3a712", error: "#e4572e", critical: "#9d0208",
+  down: "#333", stale: "#b0b0b0"};
+export const CONFIG = {displayModeBar: false, responsive: true};
+
+export function layout(extra = {}) {
+  return Object.assign({margin: {l: 55, r: 10, t: 10, b: 35}, paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
+    font: {size: 12}, legend: {orientation: "h", y: 1.15}, hovermode: "x unified"}, extra);
+}
+
+export const timeAxis = (extra = {}) => Object.assign({type: "date", title: ""}, extra);
+export const toDates = (ts) => ts.map((t) => new Date(t * 1000));
+
+// A downsampled series {t, field: {min, mean, max}} as a line with a shaded min..max band.
+export function bandTraces(series, field, name, color, opts = {}) {
+  const x = toDates(series.t);
+  const s = series[field];
+  if (!s) return [];
+  const scale = opts.scale || 1;
+  const f = (arr) => arr.map((v) => (v === null ? null : v * scale));
+  const group = name;
+  const out = [{type: "scattergl", mode: "lines", name, x, y: f(s.mean), line: {color, width: 1.5}, legendgroup: group}];
+  if (opts.band !== false && s.min.some((v, i) => v !== s.max[i])) {
+    out.unshift({type: "scatter", mode: "lines", x, y: f(s.max), line: {width: 0}, hoverinfo: "skip", showlegend: false, legendgroup: group});
+    out.splice(1, 0, {type: "scatter", mode: "lines", x, y: f(s.min), line: {width: 0}, fill: "tonexty",
+      fillcolor: color + "33", hoverinfo: "skip", showlegend: false, legendgroup: group});
+  }
+  return out;
+}
+
+// A horizontal dashed line at y (a threshold or a limit), labelled.
+export function hline(y, text, color = "#e4572e") {
+  return {shape: {type: "line", xref: "paper", x0: 0, x1: 1, y0: y, y1: y, line: {color, dash: "dash", width: 1.5}},
+    annotation: {xref: "paper", x: 1, y, text, showarrow: false, xanchor: "right", yanchor: "bottom", font: {color, size: 11}}};
+}
+
+// Shaded vertical bands (throttle reasons, a finding's window) from [[t0, t1, label], ...].
+export function vbands(spans, color = "#f3a712") {
+  return spans.map(([t0, t1]) => ({type: "rect", xref: "x", yref: "paper", x0: new Date(t0 * 1000), x1: new Date(t1 * 1000),
+    y0: 0, y1: 1, fillcolor: color, opacity: 0.18, line: {width: 0}}));
+}
+
+export function react(id, traces, lay, config = CONFIG) {
+  const el = typeof id === "string" ? document.getElementById(id) : id;
+  if (el) Plotly.react(el, traces, lay, config);
+  return el;
+}

@@ -1,0 +1,36 @@
+// The one websocket client: connect, hand every frame to onFrame, reconnect with backoff, show the state in a pill.
+// The server sends a snapshot on connect and merged deltas at most every CLUSTERDX_LIVE_FRAME_INTERVAL_MS.
+export function connectLive(path, onFrame, statusId = "live-status") {
+  let delay = 500;
+  let frames = 0;
+  const status = document.getElementById(statusId);
+  const show = (text, cls) => { if (status) { status.textContent = text; status.className = "pill " + cls; } };
+  function open() {
+    const proto = location.protocol === "https:" ? "wss://" : "ws://";
+    const ws = new WebSocket(proto + location.host + path);
+    ws.onopen = () => { show("live", "ok"); delay = 500; };
+    ws.onmessage = (m) => {
+      frames += 1;
+      document.body.dataset.frames = String(frames);
+      onFrame(JSON.parse(m.data));
+    };
+    ws.onclose = (ev) => {
+      if (ev.code === 4401 || ev.code === 4404) { show("no access", "bad"); return; }
+      show("reconnecting…", "warn");
+      setTimeout(open, delay);
+      delay = Math.min(delay * 2, 10000);
+    };
+  }
+  open();
+}
+
+// Redraw at most every `ms`, only when something changed: live frames mark the page dirty, this draws.
+export function drawLoop(draw, ms = 250) {
+  let dirty = true;
+  function tick() {
+    if (dirty) { dirty = false; draw(); }
+    setTimeout(() => requestAnimationFrame(tick), ms);
+  }
+  requestAnimationFrame(tick);
+  return () => { dirty = true; };
+}

@@ -1,0 +1,67 @@
+"""Driving Debian's chromium through Playwright: sign in, wait for live frames, keep the screenshots the docs show."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import service_missing
+
+CHROMIUM = os.environ.get("CLUSTERDX_CHROMIUM", "/usr/bin/chromium")
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
+
+
+def launch_page(monkeypatch: pytest.MonkeyPatch, width: int = 1400, height: int = 1100) -> Iterator[Any]:
+    if not shutil.which(CHROMIUM) and not os.path.exists(CHROMIUM):
+        service_missing(f"no chromium at {CHROMIUM} (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    # Playwright's sync API keeps an event loop on this thread; the test's own ORM calls are still plain sync code.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.js_errors = errors  # type: ignore[attr-defined]
+            yield page
+        finally:
+            browser.close()
+
+
+def sign_in(page: Any, base_url: str, username: str, password: str, next_path: str) -> None:
+    page.goto(f"{base_url}{next_path}")
+    assert "/login/" in page.url, f"{next_path} must require a login"
+    page.fill("input[name=username]", username)
+    page.fill("input[name=password]", password)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{base_url}{next_path}")
+
+
+def wait_live(page: Any, timeout: int = 10_000) -> None:
+    page.wait_for_function("(document.getElementById('live-status') || {}).textContent === 'live'", timeout=timeout)
+
+
+def keep_screenshot(page: Any, name: str, tmp_path: Path) -> Path:
+    """A full-page PNG in the test's tmp dir, copied to docs/img/<name>.png: the docs show what the suite saw."""
+    shot = tmp_path / f"{name}.png"
+    page.screenshot(path=str(shot), full_page=True)
+    if os.environ.get("CLUSTERDX_KEEP_SCREENSHOTS", "1") != "0":
+        DOCS_IMG.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, DOCS_IMG / shot.name)
+    for extra in filter(None, [os.environ.get("CLUSTERDX_SCREENSHOT_DIR")]):
+        shutil.copy(shot, extra)
+    return shot
+
+
+def no_js_errors(page: Any) -> None:
+    errors = getattr(page, "js_errors", [])
+    assert not errors, f"the page threw: {errors}"
