@@ -18,6 +18,10 @@ EVENT_KEYS: dict[str, dict[str, type]] = {
 }
 
 STEP_ROW = ["step", "rank", "ts", "step_time_s", "data_wait_s", "compute_s", "comm_s", "tokens"]
+# The run snapshot's run.recent.rows: one row per step, over the ranks that reported it (means; the max step time;
+# tokens summed). The snapshot sends these instead of ranks x steps rows, so its size does not grow with ranks.
+STEP_AGG_ROW = ["step", "ts", "ranks", "step_time_s", "step_time_max_s", "data_wait_s", "compute_s", "comm_s",
+                "tokens"]
 GPU_ROW = ["host", "gpu_index", "ts", "util_gpu_pct", "mem_used_bytes", "power_w", "temp_c"]
 
 # A frame is what one websocket message carries: a snapshot on connect, then deltas.
@@ -27,7 +31,12 @@ FRAME_SCHEMA: dict[str, Any] = {
     "properties": {
         "type": {"enum": ["snapshot", "delta"]},
         "seq": {"type": "integer", "minimum": 0},
-        "run": {"type": ["object", "null"]},
+        "run": {"type": ["object", "null"], "properties": {
+            "id": {"type": "integer"}, "ranks": {"type": "integer"},
+            "recent": {"type": "object", "required": ["columns", "rows"], "properties": {
+                "columns": {"const": STEP_AGG_ROW},
+                "rows": {"type": "array", "items": {"type": "array", "minItems": len(STEP_AGG_ROW),
+                                                    "maxItems": len(STEP_AGG_ROW)}}}}}},
         "steps": {"type": "array", "items": {"type": "array", "minItems": len(STEP_ROW), "maxItems": len(STEP_ROW)}},
         "gpus": {"type": "array", "items": {"type": "array", "minItems": len(GPU_ROW), "maxItems": len(GPU_ROW)}},
         "events": {"type": "array", "items": {"type": "object"}},

@@ -5,20 +5,55 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
+from django.db.models import Avg, Count, Max, Sum
 
-from dashboard.live.events import STEP_ROW
+from dashboard.live.events import STEP_AGG_ROW, STEP_ROW
 from dashboard.live.state import get_state
-from dashboard.telemetry.models import Run, StepSample
+from dashboard.telemetry.models import Rank, Run, StepSample
+
+# Per-rank rows go into a snapshot only for runs this small (the run page draws per-rank bars up to here) and only
+# for the last PER_RANK_STEPS steps; beyond, the snapshot is per-step aggregates, so its size does not grow with ranks.
+PER_RANK_MAX = 64
+PER_RANK_STEPS = 20
+# Rank-step rows read to build the aggregates: a 16,384-rank run gets its last ~60 steps, a 1,024-rank run 300.
+AGG_ROW_BUDGET = 1_000_000
+
+
+def _n_ranks(run: Run) -> int:
+    return run.world_size or Rank.objects.filter(run=run).count()
 
 
 def run_info(run: Run) -> dict[str, Any]:
+    """The run and its recent steps aggregated over ranks (layout STEP_AGG_ROW): what the run page's KPIs, live
+    charts and step list start from. A few hundred rows whatever the world size."""
+    ranks = _n_ranks(run)
     return {"id": run.id, "name": run.name, "cluster": run.cluster_id, "world_size": run.world_size,
-            "last_step": run.last_step, "meta": run.meta}
+            "last_step": run.last_step, "meta": run.meta, "ranks": ranks,
+            "recent": {"columns": STEP_AGG_ROW, "rows": step_aggregates(run, ranks)}}
 
 
-def recent_steps(run: Run, steps: int | None = None) -> list[list[Any]]:
+def step_aggregates(run: Run, ranks: int, steps: int | None = None) -> list[list[Any]]:
     steps = steps or settings.CLUSTERDX["LIVE_SNAPSHOT_STEPS"]
+    steps = max(10, min(steps, AGG_ROW_BUDGET // max(ranks, 1)))
     if run.last_step is None:
+        return []
+    qs = (StepSample.objects.filter(run=run, step__gt=run.last_step - steps).values("step")
+          .annotate(ts=Max("ts"), n=Count("id"), st=Avg("step_time_s"), st_max=Max("step_time_s"),
+                    dw=Avg("data_wait_s"), cp=Avg("compute_s"), cm=Avg("comm_s"), tok=Sum("tokens"))
+          .order_by("step"))
+    return [[r["step"], round(r["ts"].timestamp(), 3), r["n"], *(_r(r[k]) for k in ("st", "st_max", "dw", "cp", "cm")),
+             r["tok"]] for r in qs]
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(float(v), 6)
+
+
+def recent_steps(run: Run, steps: int = PER_RANK_STEPS) -> list[list[Any]]:
+    """Per-rank rows (STEP_ROW) of the last ``steps`` steps, for runs of at most PER_RANK_MAX ranks; none for bigger
+    runs (at 1,024 ranks x 300 steps these were 8-14 MB of the first frame; the aggregates in run_info replace
+    them)."""
+    if run.last_step is None or _n_ranks(run) > PER_RANK_MAX:
         return []
     qs = StepSample.objects.filter(run=run, step__gt=run.last_step - steps).order_by("step", "rank")
     rows = []

@@ -1,0 +1,199 @@
+"""A run's steps for the run and rank pages: the whole run downsampled by step, and rank x step heatmaps.
+
+Whatever the run's length, the database groups the (rank, step) rows; the answer is at most ``points`` buckets of
+steps (min / mean / max over every rank-step in a bucket) and a heatmap of at most ~600 columns. MFU and goodput
+are the diagnosis's own figures (:func:`efficiency_figures`), computed per bucket, never derived a second time here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from django.db.models import Avg, Count, F, FloatField, Max, Min, Sum
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast
+
+from dashboard.diagnosis.detectors.steps import efficiency_figures
+from dashboard.diagnosis.detectors.window import GPU_NUM, PORT_NUM, PROBE_NUM, STEP_NUM, RunInfo, Table, Window
+from dashboard.telemetry.models import Rank, Run, StepSample
+from dashboard.web.links import node_url, rank_url
+
+SPLIT = ("step_time_s", "data_wait_s", "compute_s", "comm_s")
+HEATMAP_METRICS = ("compute_s", "data_wait_s", "comm_arrive_s", "step_time_s")
+MAX_HEATMAP_COLS = 600
+MAX_HEATMAP_ROWS = 2048  # beyond this a row is a node (the max over its ranks, so one slow rank still shows)
+EFFICIENCY_STEPS = 16  # efficiency_figures looks at a run's last 16 steps: per bucket, its last 16
+
+
+def step_bounds(run: Run, rank: int | None = None) -> tuple[int, int] | None:
+    qs = StepSample.objects.filter(run=run)
+    if rank is not None:
+        qs = qs.filter(rank=rank)
+    b = qs.aggregate(lo=Min("step"), hi=Max("step"))
+    return None if b["lo"] is None else (int(b["lo"]), int(b["hi"]))
+
+
+def clamp(bounds: tuple[int, int], lo: int | None, hi: int | None) -> tuple[int, int]:
+    a, b = bounds
+    lo = a if lo is None else max(a, lo)
+    hi = b if hi is None else min(b, hi)
+    return (lo, hi) if lo <= hi else (lo, lo)
+
+
+def _per_step(run: Run, lo: int, hi: int, rank: int | None) -> dict[str, np.ndarray]:
+    """One row per step (aggregated over ranks in SQL, one index range scan on (run, step)), as float columns."""
+    qs = StepSample.objects.filter(run=run, step__gte=lo, step__lte=hi)
+    if rank is not None:
+        qs = qs.filter(rank=rank)
+    aggs: dict[str, Any] = {"n": Count("id"), "ts": Max("ts"), "tokens": Sum("tokens")}
+    for f in SPLIT:
+        aggs |= {f"{f}__sum": Sum(f), f"{f}__n": Count(f), f"{f}__min": Min(f), f"{f}__max": Max(f)}
+    for key in ("loss", "grad_norm"):  # the training loop's own numbers, from StepSample.metrics
+        aggs[key] = Avg(Cast(KT(f"metrics__{key}"), FloatField()))
+    rows = list(qs.values("step").annotate(**aggs).order_by("step"))
+    cols: dict[str, np.ndarray] = {"step": np.array([r["step"] for r in rows], dtype=float),
+                                   "ts": np.array([r["ts"].timestamp() for r in rows], dtype=float)}
+    for key in [k for k in aggs if k != "ts"]:
+        cols[key] = np.array([r[key] for r in rows], dtype=float)  # None -> nan
+    return cols
+
+
+def _efficiency(run: Run, s: dict[str, np.ndarray], world: int) -> dict[str, Any] | None:
+    """The diagnosis's efficiency figures over these steps: a Window of one row per step (the mean step time over
+    ranks, the tokens of every rank), handed to :func:`efficiency_figures` as it is during a pass."""
+    n = len(s["step"])
+    if n == 0:
+        return None
+    with np.errstate(all="ignore"):
+        step_time = s["step_time_s__sum"] / s["step_time_s__n"]
+    zeros, nan = np.zeros(n), np.full(n, np.nan)
+    num = {c: nan for c in STEP_NUM}
+    num |= {"run": zeros, "rank": zeros, "step": s["step"], "ts": s["ts"], "step_time_s": step_time,
+            "tokens": s["tokens"]}
+    info = RunInfo(run.name, world, run.meta or {}, {})
+    w = Window(float(np.nanmax(s["ts"])), [], Table(num), _empty(GPU_NUM), _empty(PORT_NUM), _empty(PROBE_NUM),
+               [], {}, [info], {})
+    return efficiency_figures(w, 0)
+
+
+def _empty(cols: tuple[str, ...]) -> Table:
+    return Table({c: np.empty(0) for c in cols})
+
+
+def _r(v: float, d: int = 5) -> float | None:
+    return None if v is None or not math.isfinite(v) else round(float(v), d)
+
+
+def step_series(run: Run, lo: int, hi: int, points: int, rank: int | None = None) -> dict[str, Any]:
+    """Steps ``lo..hi`` in buckets of ``ceil((hi-lo+1)/points)`` steps: min / mean / max over every rank-step of a
+    bucket for the split and tokens/s, the mean loss and grad norm, MFU and goodput, and each bucket's slowest step
+    (what a click explains)."""
+    width = max(1, math.ceil((hi - lo + 1) / points))
+    s = _per_step(run, lo, hi, rank)
+    world = run.world_size or max(1, Rank.objects.filter(run=run).count())
+    out: dict[str, Any] = {"run": run.id, "rank": rank, "from_step": lo, "to_step": hi, "bucket_steps": width,
+                           "step": [], "step_end": [], "slowest_step": [], "ts": [], "ranks": []}
+    for f in (*SPLIT, "tokens_per_s"):
+        out[f] = {"min": [], "mean": [], "max": []}
+    for key in ("loss", "grad_norm", "mfu", "goodput"):
+        out[key] = []
+    if len(s["step"]) == 0:
+        return out
+    with np.errstate(all="ignore"):
+        step_mean = s["step_time_s__sum"] / s["step_time_s__n"]
+        # tokens/s of a step: every rank's tokens over the step's time (under DDP all ranks share one step time)
+        tps = s["tokens"] / step_mean
+    bucket = ((s["step"] - lo) // width).astype(int)
+    starts = np.flatnonzero(np.r_[True, np.diff(bucket) != 0])
+    ends = np.r_[starts[1:], len(bucket)]
+    per_rank = rank is not None
+    for a, b in zip(starts, ends, strict=True):
+        sl = slice(a, b)
+        out["step"].append(int(s["step"][a]))
+        out["step_end"].append(int(s["step"][b - 1]))
+        out["slowest_step"].append(int(s["step"][a + int(np.nanargmax(np.nan_to_num(step_mean[sl], nan=-1)))]))
+        out["ts"].append(_r(s["ts"][b - 1], 3))
+        out["ranks"].append(int(np.max(s["n"][sl])))
+        for f in SPLIT:
+            n = np.nansum(s[f"{f}__n"][sl])
+            out[f]["mean"].append(_r(np.nansum(s[f"{f}__sum"][sl]) / n) if n else None)
+            out[f]["min"].append(_r(np.nanmin(s[f"{f}__min"][sl])) if n else None)
+            out[f]["max"].append(_r(np.nanmax(s[f"{f}__max"][sl])) if n else None)
+        t = tps[sl][np.isfinite(tps[sl])]
+        for stat, fn in (("min", np.min), ("mean", np.mean), ("max", np.max)):
+            out["tokens_per_s"][stat].append(_r(fn(t), 1) if len(t) else None)
+        for key in ("loss", "grad_norm"):
+            v = s[key][sl]
+            out[key].append(_r(np.nanmean(v)) if np.any(np.isfinite(v)) else None)
+        fig = None if per_rank else _efficiency(run, {k: v[max(a, b - EFFICIENCY_STEPS):b] for k, v in s.items()},
+                                                world)
+        out["mfu"].append(fig["mfu"] if fig else None)
+        out["goodput"].append(fig["goodput"] if fig else None)
+    return out
+
+
+def current_efficiency(run: Run) -> dict[str, Any] | None:
+    """tokens/s, MFU and goodput over the run's last 16 steps: the figures the diagnosis pass reports."""
+    bounds = step_bounds(run)
+    if bounds is None:
+        return None
+    s = _per_step(run, max(bounds[0], bounds[1] - EFFICIENCY_STEPS), bounds[1], None)
+    world = run.world_size or max(1, Rank.objects.filter(run=run).count())
+    return _efficiency(run, s, world)
+
+
+# -- rank x step heatmaps ----------------------------------------------------------------------------------------
+
+def rank_order(run: Run) -> list[dict[str, Any]]:
+    """Every rank of the run, ordered by node then local rank (a sick node is a band of adjacent rows)."""
+    known = {r["rank"]: r for r in Rank.objects.filter(run=run).values("rank", "node__hostname", "local_rank",
+                                                                       "gpu_index")}
+    stepped = set(StepSample.objects.filter(run=run, step=run.last_step).values_list("rank", flat=True)) \
+        if run.last_step is not None else set()
+    for r in stepped - set(known):  # a rank that steps but never sent its RunMeta
+        known[r] = {"rank": r, "node__hostname": None, "local_rank": None, "gpu_index": None}
+    return sorted(known.values(), key=lambda r: (r["node__hostname"] is None, r["node__hostname"] or "",
+                                                 r["local_rank"] if r["local_rank"] is not None else r["rank"],
+                                                 r["rank"]))
+
+
+def heatmap(run: Run, metric: str, lo: int, hi: int, cols: int = MAX_HEATMAP_COLS) -> dict[str, Any]:
+    width = max(1, math.ceil((hi - lo + 1) / cols))
+    ranks = rank_order(run)
+    cluster = run.cluster.name
+    by_node = len(ranks) > MAX_HEATMAP_ROWS
+    if by_node:
+        hosts = sorted({r["node__hostname"] or "?" for r in ranks})
+        row_of = {r["rank"]: hosts.index(r["node__hostname"] or "?") for r in ranks}
+        rows = [{"label": h, "url": node_url(cluster, h) if h != "?" else None} for h in hosts]
+    else:
+        row_of = {r["rank"]: i for i, r in enumerate(ranks)}
+        rows = [{"label": f"rank {r['rank']}", "rank": r["rank"], "host": r["node__hostname"],
+                 "url": rank_url(run.id, r["rank"])} for r in ranks]
+    nodes: list[dict[str, Any]] = []
+    for i, r in enumerate(ranks if not by_node else [{"node__hostname": row["label"]} for row in rows]):
+        host = r["node__hostname"]
+        if nodes and nodes[-1]["host"] == host:
+            nodes[-1]["rows"] += 1
+        else:
+            nodes.append({"host": host, "url": node_url(cluster, host) if host and host != "?" else None,
+                          "first_row": i, "rows": 1})
+    n_cols = (hi - lo) // width + 1
+    z = np.full((len(rows), n_cols), np.nan)
+    qs = (StepSample.objects.filter(run=run, step__gte=lo, step__lte=hi)
+          .annotate(bucket=(F("step") - lo) / width).values("rank", "bucket").annotate(v=Avg(metric)))
+    for rank, b, v in qs.values_list("rank", "bucket", "v"):
+        i = row_of.get(rank)
+        if i is None or v is None:
+            continue
+        z[i, int(b)] = v if not by_node or np.isnan(z[i, int(b)]) else max(z[i, int(b)], v)
+    finite = z[np.isfinite(z)]
+    return {"run": run.id, "metric": metric, "from_step": lo, "to_step": hi, "bucket_steps": width,
+            "steps": [lo + k * width for k in range(n_cols)], "row_kind": "node" if by_node else "rank",
+            "rows": rows, "nodes": nodes,
+            "z": [[None if math.isnan(v) else round(float(v), 4) for v in row] for row in z],
+            "scale": {"p5": _r(np.percentile(finite, 5)) if len(finite) else None,
+                      "median": _r(np.median(finite)) if len(finite) else None,
+                      "p99": _r(np.percentile(finite, 99)) if len(finite) else None}}
