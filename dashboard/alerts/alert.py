@@ -7,11 +7,11 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
-from django.urls import reverse
 from django.utils import timezone
 
 from dashboard.alerts.models import Delivery, severity_rank
 from dashboard.diagnosis.models import Finding
+from dashboard.web.links import cluster_url, finding_url
 
 EVIDENCE_ITEMS = 8
 
@@ -62,9 +62,11 @@ def evidence_summary(evidence: dict[str, Any]) -> list[str]:
 
 
 def dashboard_link(finding: Finding | None, cluster_name: str) -> str:
-    if finding is not None and finding.run_id is not None:
-        return settings.SITE_URL + reverse("run", args=[finding.run_id])
-    return settings.SITE_URL + reverse("cluster", args=[cluster_name])
+    """Where an alert opens: the finding's own page (its evidence drawn, what to do, its history), whatever the
+    subject; a test alert, which carries no finding, opens the cluster."""
+    if finding is not None:
+        return settings.SITE_URL + finding_url(finding.id)
+    return settings.SITE_URL + cluster_url(cluster_name)
 
 
 def finding_info(f: Finding) -> dict[str, Any]:

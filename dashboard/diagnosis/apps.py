@@ -13,6 +13,9 @@ _FINDING = {
         "subject_type": {"enum": ["cluster", "node", "gpu", "rank", "link", "run"]},
         "subject": {"type": "string", "description": "node-003, node-003/gpu4, <run>/rank5, node-001~node-002, <run>"},
         "title": {"type": "string"}, "action": {"type": "string"}, "confidence": {"type": "number"},
+        "headline": {"type": "string", "description": "the one line of evidence that matters"},
+        "url": {"type": "string", "description": "the finding's page"},
+        "subject_url": {"type": "string", "description": "the page of its node, GPU, link, rank or run"},
         "run": {"type": ["integer", "null"]}, "cluster": {"type": "string"},
         "opened_at": {"type": "number"}, "updated_at": {"type": "number"}, "resolved_at": {"type": ["number", "null"]},
         "evidence": {"type": "object", "description": "metrics, window [t0, t1] and series to plot"},
@@ -36,17 +39,32 @@ class DiagnosisConfig(AppConfig):
         def q(name: str, schema: dict[str, Any], text: str) -> dict[str, Any]:
             return {"name": name, "in": "query", "required": False, "schema": schema, "description": text}
 
+        sev = {"type": "array", "items": {"enum": ["info", "warning", "error", "critical"]}}
         findings = {"get": {
-            "operationId": "listFindings", "summary": "Findings of the clusters you are a member of, newest first",
+            "operationId": "listFindings",
+            "summary": "Findings of the clusters you are a member of, newest change first, in pages",
+            "description": "Filters combine (AND); state, kind and severity may repeat (OR). Pages: offset and "
+                           "limit; the X-Total-Count header says how many match and a Link header (rel=next) "
+                           "points at the next page while there is one.",
             "security": [{"session": []}],
             "parameters": [q("cluster", {"type": "string"}, "cluster name or id"),
                            q("run", {"type": "integer"}, "run id: its findings and those of its nodes"),
-                           q("state", {"enum": ["open", "resolved"]}, ""), q("kind", {"enum": list(KINDS)}, ""),
+                           q("state", {"type": "array", "items": {"enum": ["open", "resolved"]}}, ""),
+                           q("kind", {"type": "array", "items": {"enum": list(KINDS)}}, ""),
+                           q("severity", sev, ""),
+                           q("node", {"type": "string"}, "host name: findings about the node, its GPUs and ranks, "
+                             "and the links it is an end of"),
+                           q("since", {"type": "number"}, "epoch seconds: still open, or changed at or after it"),
+                           q("until", {"type": "number"}, "epoch seconds: opened at or before it"),
+                           q("offset", {"type": "integer", "minimum": 0}, "default 0"),
                            q("limit", {"type": "integer", "minimum": 1, "maximum": 1000}, "default 100")],
             "responses": {
                 "200": {"description": "The findings", "content": {"application/json": {"schema": {
-                    "type": "object", "properties": {"findings": {"type": "array", "items": _FINDING}}}}}},
-                "400": {"description": "A bad filter value", **_ERROR},
+                    "type": "object", "properties": {"findings": {"type": "array", "items": _FINDING}}}}},
+                    "headers": {
+                        "X-Total-Count": {"schema": {"type": "integer"}, "description": "findings that match"},
+                        "Link": {"schema": {"type": "string"}, "description": '<next page URL>; rel="next"'}}},
+                "400": {"description": "A bad filter value (the reason in detail)", **_ERROR},
                 "401": {"description": "Not logged in", **_ERROR},
                 "404": {"description": "No such cluster or run (or not yours)", **_ERROR},
             }}}

@@ -11,13 +11,14 @@ from dashboard.diagnosis.models import Finding
 
 def finding_row(f: Finding) -> dict[str, Any]:
     """A finding as every page lists it, with the links to its own page and to its subject's."""
+    from dashboard.web.evidence_headline import headline
     from dashboard.web.links import finding_url, subject_url
 
     return {"id": f.id, "kind": f.kind, "state": f.state, "severity": f.severity, "subject": f.subject,
             "subject_type": f.subject_type, "title": f.title, "action": f.action, "confidence": f.confidence,
             "run": f.run_id, "node": f.node.hostname if f.node_id else None, "gpu_index": f.gpu_index,
             "rank": f.rank, "opened_at": f.opened_at.timestamp(), "updated_at": f.updated_at.timestamp(),
-            "url": finding_url(f.id), "subject_url": subject_url(f)}
+            "headline": headline(f), "url": finding_url(f.id), "subject_url": subject_url(f)}
 
 
 def findings_for(cluster_id: int, run_id: int | None) -> list[dict[str, Any]]:

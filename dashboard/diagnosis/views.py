@@ -3,18 +3,20 @@ a cluster or run exists."""
 
 from __future__ import annotations
 
+import math
+from datetime import UTC, datetime
 from functools import wraps
 from typing import Any
 
 from django.db.models import Q
-from django.http import HttpRequest, JsonResponse
+from django.http import Http404, HttpRequest, JsonResponse
 from django.views.decorators.http import require_GET
 
 from dashboard.diagnosis.detectors import KINDS
 from dashboard.diagnosis.explain import explain_step
 from dashboard.diagnosis.live import finding_row
-from dashboard.diagnosis.models import Finding
-from dashboard.telemetry.models import Cluster, Run
+from dashboard.diagnosis.models import SEVERITIES, Finding
+from dashboard.telemetry.models import Cluster, Node, Run
 
 MAX_LIMIT = 1000
 
@@ -44,40 +46,104 @@ def _visible_run(user: Any, run_id: int) -> Run | None:
     return run if run is not None and run.cluster.visible_to(user) else None
 
 
-@require_GET
-@_api_login_required
-def findings(request: HttpRequest) -> JsonResponse:
+class _Bad(ValueError):
+    """A filter value the API cannot use: answered 400 with the message."""
+
+
+def _epoch(q: Any, name: str) -> datetime | None:
+    raw = q.get(name)
+    if raw in (None, ""):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise _Bad(f"{name} must be seconds since 1970, got {raw[:40]!r}") from None
+    if not math.isfinite(value) or not 0 <= value < 1e11:
+        raise _Bad(f"{name} must be seconds since 1970, got {raw[:40]!r}")
+    return datetime.fromtimestamp(value, UTC)
+
+
+def _int(q: Any, name: str, default: int, lo: int, hi: int | None = None) -> int:
+    raw = q.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise _Bad(f"{name} must be an integer, got {raw[:40]!r}") from None
+    if value < lo:
+        raise _Bad(f"{name} must be at least {lo}")
+    return min(value, hi) if hi is not None else value
+
+
+def _filtered(request: HttpRequest) -> Any:
+    """The findings the query asks for, of the clusters the user is a member of. Raises _Bad (400) or Http404."""
     q = request.GET
-    qs = Finding.objects.filter(cluster__in=_visible(request.user))
+    visible = _visible(request.user)
+    qs = Finding.objects.filter(cluster__in=visible)
     if q.get("cluster"):
         name = q["cluster"]
         match = Q(name=name) | (Q(id=int(name)) if name.isdigit() else Q(pk__in=[]))
-        cluster = _visible(request.user).filter(match).first()
+        cluster = visible.filter(match).first()
         if cluster is None:
-            return _error(404, "not_found", "no such cluster")
+            raise Http404("no such cluster")
         qs = qs.filter(cluster=cluster)
     if q.get("run"):
-        run = _visible_run(request.user, int(q["run"])) if q["run"].isdigit() else None
+        if not q["run"].isdigit():
+            raise _Bad(f"run must be a run id (an integer), got {q['run'][:40]!r}")
+        run = _visible_run(request.user, int(q["run"]))
         if run is None:
-            return _error(404, "not_found", "no such run")
+            raise Http404("no such run")
         # A run's findings: its own, and those of the nodes its ranks run on (a dead node, a failing GPU).
         qs = qs.filter(Q(run=run) | Q(node__ranks__run=run)).distinct()
-    if q.get("state"):
-        if q["state"] not in Finding.State.values:
-            return _error(400, "bad_request", f"state must be one of {', '.join(Finding.State.values)}")
-        qs = qs.filter(state=q["state"])
-    if q.get("kind"):
-        if q["kind"] not in KINDS:
-            return _error(400, "bad_request", f"kind must be one of {', '.join(KINDS)}")
-        qs = qs.filter(kind=q["kind"])
+    for name, allowed in (("state", Finding.State.values), ("kind", list(KINDS)), ("severity", SEVERITIES)):
+        values = [v for v in q.getlist(name) if v]
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise _Bad(f"{name} must be one of {', '.join(allowed)}, got {bad[0][:40]!r}")
+        if values:
+            qs = qs.filter(**{f"{name}__in": values})
+    if q.get("node"):
+        host = q["node"]
+        nodes = Node.objects.filter(cluster__in=visible, hostname=host)
+        if not nodes.exists():
+            raise _Bad(f"no node named {host[:80]!r} in your clusters")
+        # A node's findings: about it, its GPUs and ranks, and the links it is an end of.
+        qs = qs.filter(Q(node__in=nodes) | Q(peer_node__in=nodes))
+    since, until = _epoch(q, "since"), _epoch(q, "until")
+    if since and until and until <= since:
+        raise _Bad("until must be after since")
+    if since:  # still changing at or after ``since``: updated then, or open
+        qs = qs.filter(Q(updated_at__gte=since) | Q(state=Finding.State.OPEN))
+    if until:  # already there by ``until``
+        qs = qs.filter(opened_at__lte=until)
+    return qs
+
+
+@require_GET
+@_api_login_required
+def findings(request: HttpRequest) -> JsonResponse:
+    """Newest first, paged with ``offset`` and ``limit``: ``X-Total-Count`` says how many match, and a
+    ``Link: <...>; rel="next"`` header points at the next page while there is one (the body stays a plain list)."""
     try:
-        limit = min(MAX_LIMIT, max(1, int(q.get("limit", 100))))
-    except ValueError:
-        return _error(400, "bad_request", "limit must be an integer")
+        qs = _filtered(request)
+        limit = _int(request.GET, "limit", 100, 1, MAX_LIMIT)
+        offset = _int(request.GET, "offset", 0, 0)
+    except _Bad as exc:
+        return _error(400, "bad_request", str(exc))
+    except Http404 as exc:
+        return _error(404, "not_found", str(exc))
+    total = qs.count()
+    page = qs.select_related("cluster", "node", "peer_node").order_by("-updated_at", "-id")[offset:offset + limit]
     rows = [{**finding_row(f), "cluster": f.cluster.name, "resolved_at": f.resolved_at.timestamp() if f.resolved_at
-             else None, "evidence": f.evidence}
-            for f in qs.select_related("cluster").order_by("-updated_at", "-id")[:limit]]
-    return JsonResponse({"findings": rows})
+             else None, "evidence": f.evidence} for f in page]
+    response = JsonResponse({"findings": rows})
+    response["X-Total-Count"] = str(total)
+    if offset + limit < total:
+        params = request.GET.copy()
+        params["offset"], params["limit"] = str(offset + limit), str(limit)
+        response["Link"] = f'<{request.path}?{params.urlencode()}>; rel="next"'
+    return response
 
 
 @require_GET

@@ -32,6 +32,7 @@ def test_add_prints_the_secret_once_and_list_never(cluster: Any, receiver: Recei
     receiver.secret = endpoint.secret
     assert run("test", str(endpoint.id)).startswith("test delivery 1: delivered, HTTP 200, ")
     assert receiver.requests[0].verified is True
+    assert receiver.requests[0].json()["data"]["link"].endswith("/clusters/prod-a/"), "a test alert opens the cluster"
     assert endpoint.secret not in caplog.text
 
 

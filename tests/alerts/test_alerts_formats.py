@@ -52,7 +52,7 @@ def test_the_webhook_payload_carries_the_finding(cluster: Any, nodes: list[Any],
     assert body["type"] == "finding.opened"
     data = body["data"]
     assert (data["cluster"], data["event"], data["severity"]) == ("prod-a", "opened", "critical")
-    assert data["link"] == "https://cdx.example.org/clusters/prod-a/"
+    assert data["link"] == f"https://cdx.example.org/findings/{finding.id}/", "an alert opens its finding's page"
     (f,) = data["findings"]
     assert (f["id"], f["kind"], f["subject"], f["node"], f["gpu_index"]) == (
         finding.id, "failing_gpu", "node-001/gpu4", "node-001", 4)
@@ -63,7 +63,8 @@ def test_the_webhook_payload_carries_the_finding(cluster: Any, nodes: list[Any],
 def test_slack_gets_blocks_with_subject_evidence_action_and_link(cluster: Any, nodes: list[Any],
                                                                  receiver: Receiver, endpoint_for: Any) -> None:
     endpoint_for(receiver, kind="slack")
-    signal(make_finding(cluster, node=nodes[0], gpu_index=2, severity="critical"), "opened")
+    finding = make_finding(cluster, node=nodes[0], gpu_index=2, severity="critical")
+    signal(finding, "opened")
     drain()
     body = receiver.requests[0].json()
     assert body["text"] == ":rotating_light: Xid 79 on node-000/gpu2: GPU has fallen off the bus"
@@ -71,7 +72,7 @@ def test_slack_gets_blocks_with_subject_evidence_action_and_link(cluster: Any, n
     assert kinds == ["header", "section", "section", "section", "context", "actions"]
     text = json.dumps(body["blocks"])
     assert "`node-000/gpu2`" in text and "xid = 79" in text and "Drain the node and reseat the GPU" in text
-    assert body["blocks"][-1]["elements"][0]["url"].endswith("/clusters/prod-a/")
+    assert body["blocks"][-1]["elements"][0]["url"].endswith(f"/findings/{finding.id}/")
     assert "webhook-signature" not in receiver.requests[0].headers
 
 
@@ -100,7 +101,8 @@ def test_pagerduty_triggers_and_resolves_one_incident(cluster: Any, nodes: list[
     assert (trigger["event_action"], trigger["dedup_key"], trigger["routing_key"]) == ("trigger", key, "R" * 32)
     assert trigger["payload"]["severity"] == "warning" and trigger["payload"]["source"] == "node-000"
     assert trigger["payload"]["custom_details"]["action"] == "Drain the node and reseat the GPU"
-    assert trigger["links"][0]["href"].endswith("/clusters/prod-a/")
+    assert trigger["links"][0]["href"].endswith(f"/findings/{finding.id}/")
+    assert trigger["client_url"] == trigger["links"][0]["href"]
     assert done == {"routing_key": "R" * 32, "event_action": "resolve", "dedup_key": key}
 
 

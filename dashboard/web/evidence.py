@@ -1,0 +1,525 @@
+"""A finding's evidence as charts: the series and the window its detector decided on, with the detector's threshold.
+
+:func:`chart` reads the database around the finding's evidence window (falling back on the series the finding stored
+when the rows are gone) and returns panels a page draws as they are::
+
+    {"kind", "range": [t0, t1], "window": [t0, t1], "panels": [panel, ...], "numbers": [{name, value}, ...],
+     "thresholds": {name: value}}
+    panel = {"id", "title", "x": "time" | "step" | "category", "y_title", "type": "line" | "bar",
+             "direction": "above" | "below",       # which side of the threshold is bad
+             "series": [{"name", "role": "subject" | "baseline" | "context", "x", "y"}],
+             "thresholds": [{"name", "x", "y", "value"?}],  # the first one decides; "value" when constant
+             "window": [x0, x1] | None,            # the detector's window, in the panel's x units
+             "markers": [{"x", "text"}],           # Xid events, checkpoints...
+             "breach": {"x", "y", "threshold", "over"} | None}   # the subject's worst point vs the threshold
+
+Every kind in :data:`dashboard.diagnosis.detectors.KINDS` has a builder here; :func:`headline` is the one line of
+evidence that matters, for lists and alerts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+from django.db.models import F, FloatField, Max, Q
+from django.db.models.functions import Cast, NullIf
+
+from dashboard.diagnosis.detectors import KINDS
+from dashboard.diagnosis.detectors.base import Thresholds
+from dashboard.diagnosis.detectors.network import PORT_ERRORS
+from dashboard.diagnosis.detectors.window import SPANS
+from dashboard.diagnosis.models import Finding
+from dashboard.telemetry.models import Event, GpuSample, HostSample, PortSample, Probe, Rank, StepSample
+from dashboard.web import evidence_math as em
+from dashboard.web.evidence_headline import headline
+from dashboard.web.series import TimeRange, downsample
+
+__all__ = ["KINDS", "chart", "context_range", "headline", "thresholds"]
+
+MAX_STEPS = 200
+MAX_CELLS = 200_000  # ranks x steps read for a per-step chart: a 1,024-rank run gets ~200 steps
+MAX_RANGE_S = 6 * 3600.0
+POINTS = 600
+
+
+def thresholds() -> Thresholds:
+    from dashboard.diagnosis.tasks import thresholds as pass_thresholds
+
+    return pass_thresholds()  # the ones the pass runs with (settings override the defaults)
+
+
+def _dt(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)
+
+
+def evidence_window(f: Finding) -> list[float] | None:
+    w = (f.evidence or {}).get("window")
+    if isinstance(w, list) and len(w) == 2 and all(isinstance(v, int | float) for v in w):
+        return [float(w[0]), float(w[1])]
+    return None
+
+
+def context_range(f: Finding, now: float | None = None) -> tuple[float, float]:
+    """The time shown around a finding: from before it opened (the healthy past the fault stands out of) to its
+    resolve or its last sighting, a little after; never into the future, at most MAX_RANGE_S."""
+    now = time.time() if now is None else now
+    w = evidence_window(f) or [f.opened_at.timestamp(), f.last_seen_at.timestamp()]
+    start = min(w[0], f.opened_at.timestamp())
+    end = max(w[1], (f.resolved_at or f.last_seen_at).timestamp())
+    span = max(10.0, end - start)
+    t1 = min(now, end + max(15.0, 0.25 * span))
+    t0 = max(start - max(60.0, span), t1 - MAX_RANGE_S)
+    return t0, t1
+
+
+def panel(pid: str, title: str, x: str, y_title: str, series: list[dict[str, Any]],
+          lines: list[dict[str, Any]], direction: str = "above", window: list[Any] | None = None,
+          markers: list[dict[str, Any]] | None = None, kind: str = "line") -> dict[str, Any]:
+    subject = next((s for s in series if s["role"] == "subject"), None)
+    decide = lines[0] if lines else None
+    crossing = None
+    if subject is not None and decide is not None:
+        line = decide.get("value") if "value" in decide else (
+            decide["y"] if len(decide["y"]) == len(subject["y"]) else None)
+        crossing = em.breach(subject["x"], subject["y"], line, direction, window)
+    return {"id": pid, "title": title, "x": x, "y_title": y_title, "type": kind, "direction": direction,
+            "series": series, "thresholds": lines, "window": window, "markers": markers or [], "breach": crossing}
+
+
+def const(name: str, value: float | None, xs: list[Any]) -> list[dict[str, Any]]:
+    """A constant threshold across the panel (nothing when unknown)."""
+    if value is None or not xs:
+        return []
+    return [{"name": name, "x": [xs[0], xs[-1]], "y": [value, value], "value": round(float(value), 6)}]
+
+
+def line(name: str, role: str, xs: list[Any], ys: list[Any]) -> dict[str, Any]:
+    return {"name": name, "role": role, "x": xs, "y": ys}
+
+
+# -- steps: late ranks, memory, efficiency, checkpoints ----------------------------------------------------------
+
+def _steps_in_range(run_id: int, t0: float, t1: float, ranks: int) -> list[tuple[int, float]]:
+    """(step, time its last rank finished) of the run's steps in the range, newest MAX_STEPS (fewer for wide runs)."""
+    cap = max(20, min(MAX_STEPS, MAX_CELLS // max(1, ranks)))
+    rows = (StepSample.objects.filter(run_id=run_id, ts__gte=_dt(t0), ts__lte=_dt(t1)).values("step")
+            .annotate(last=Max("ts")).order_by("-step")[:cap])
+    return sorted((int(r["step"]), r["last"].timestamp()) for r in rows)
+
+
+def step_matrix(f: Finding, t0: float, t1: float, cols: tuple[str, ...], rank: int | None = None
+                ) -> tuple[list[int], list[float], np.ndarray, dict[str, np.ndarray]] | None:
+    """[rank x step] matrices of ``cols`` for the finding's run (one row when ``rank`` is given): (steps, their end
+    times, ranks, {col: matrix}) — the layout ``steps.run_steps`` gives the detector."""
+    if f.run_id is None:
+        return None
+    n_ranks = 1 if rank is not None else (f.run.world_size or Rank.objects.filter(run_id=f.run_id).count() or 1)
+    steps_ts = _steps_in_range(f.run_id, t0, t1, n_ranks)
+    if not steps_ts:
+        return None
+    steps = [s for s, _ in steps_ts]
+    qs = StepSample.objects.filter(run_id=f.run_id, step__gte=steps[0], step__lte=steps[-1])
+    if rank is not None:
+        qs = qs.filter(rank=rank)
+    rows = list(qs.values_list("rank", "step", "step_time_s", *cols))
+    if not rows:
+        return None
+    ranks = np.unique([r[0] for r in rows])
+    r_idx = np.searchsorted(ranks, [r[0] for r in rows])
+    s_idx = np.searchsorted(np.array(steps), [r[1] for r in rows])
+    keep = s_idx < len(steps)
+    mats = {}
+    for j, c in enumerate(("step_time_s", *cols)):
+        mat = np.full((len(ranks), len(steps)), np.nan)
+        vals = np.array([np.nan if r[2 + j] is None else r[2 + j] for r in rows], dtype=float)
+        mat[r_idx[keep], s_idx[keep]] = vals[keep]
+        mats[c] = mat
+    return steps, [ts for _, ts in steps_ts], ranks, mats
+
+
+def _stored_steps(f: Finding, name: str) -> tuple[list[int], list[Any], list[Any]] | None:
+    s = ((f.evidence or {}).get("series") or {}).get(name)
+    if isinstance(s, dict) and s.get("step"):
+        return s["step"], s.get("rank") or [None] * len(s["step"]), s.get("median") or [None] * len(s["step"])
+    return None
+
+
+def _step_window(f: Finding, steps: list[int], step_ts: list[float]) -> list[int] | None:
+    """The detector's steps: those it stored with the evidence, else those ending inside its time window."""
+    for s in ((f.evidence or {}).get("series") or {}).values():
+        if isinstance(s, dict) and s.get("step"):
+            return [min(s["step"]), max(s["step"])]
+    return em.step_window(steps, step_ts, evidence_window(f))
+
+
+def _late_panels(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    data = step_matrix(f, t0, t1, ("data_wait_s", "compute_s", "comm_arrive_s"))
+    if data is None or f.rank is None:
+        return _stored_late(f, t)
+    steps, step_ts, ranks, m = data
+    rows = np.nonzero(ranks == f.rank)[0]
+    if not len(rows):
+        return _stored_late(f, t)
+    i, win, who = int(rows[0]), _step_window(f, steps, step_ts), f"rank {f.rank}"
+    out = []
+    if f.kind == "data_starvation":
+        shares = em.share(m["data_wait_s"], m["step_time_s"])
+        with np.errstate(all="ignore"):
+            med_share = np.nanmedian(shares, axis=0)
+        out.append(panel("data_share", f"Share of each step {who} waits for data, vs the run's median", "step",
+                         "data wait / step time", [line(who, "subject", steps, em.clean(shares[i])),
+                                                   line("median of all ranks", "baseline", steps, em.clean(med_share))],
+                         const(f"data_share_min {t.data_share_min:g}", t.data_share_min, steps), window=win))
+        med, thr = em.data_wait_threshold(m["data_wait_s"], m["step_time_s"], t)
+        out.append(panel("data_wait", f"Data wait of {who} vs the cross-rank median", "step", "data wait (s)",
+                         [line(who, "subject", steps, em.clean(m["data_wait_s"][i])),
+                          line("median of all ranks", "baseline", steps, em.clean(med))],
+                         [{"name": f"median + {t.z:g}σ (z threshold)", "x": steps, "y": em.clean(thr)}], window=win))
+        return out
+    med, thr = em.compute_threshold(m["compute_s"], t)
+    out.append(panel("compute", f"Compute time of {who} vs the cross-rank median", "step", "compute (s)",
+                     [line(who, "subject", steps, em.clean(m["compute_s"][i])),
+                      line("median of all ranks", "baseline", steps, em.clean(med))],
+                     [{"name": f"max(median + {t.z:g}σ, {t.compute_ratio_min:g}× median)", "x": steps,
+                       "y": em.clean(thr)}], window=win))
+    arrive = m["comm_arrive_s"]
+    if np.any(~np.isnan(arrive)):
+        amed, athr = em.arrival_threshold(arrive, m["step_time_s"], t)
+        out.append(panel("arrival", f"When {who} reaches the first collective", "step", "arrival (s into step)",
+                         [line(who, "subject", steps, em.clean(arrive[i])),
+                          line("median of all ranks", "baseline", steps, em.clean(amed))],
+                         [{"name": f"median + {t.z:g}σ", "x": steps, "y": em.clean(athr)}], window=win))
+    return out
+
+
+def _stored_late(f: Finding, t: Thresholds) -> list[dict[str, Any]]:
+    """The rows are gone (retention): draw the series the detector stored, against the ratio threshold."""
+    name = "data_wait_s" if f.kind == "data_starvation" else "compute_s"
+    stored = _stored_steps(f, name)
+    if stored is None:
+        return _run_starved(f, t)
+    steps, mine, med = stored
+    ratio = 1.0 if f.kind == "data_starvation" else t.compute_ratio_min
+    thr = [None if v is None else round(v * ratio, 6) for v in med]
+    return [panel(name, f"{name} of {f.subject} (stored with the finding) vs the median", "step", name,
+                  [line(f.subject, "subject", steps, mine), line("median of all ranks", "baseline", steps, med)],
+                  [{"name": f"{ratio:g}× median", "x": steps, "y": thr}], window=[min(steps), max(steps)])]
+
+
+def _run_starved(f: Finding, t: Thresholds) -> list[dict[str, Any]]:
+    s = ((f.evidence or {}).get("series") or {}).get("data_wait_share")
+    if not isinstance(s, dict) or not s.get("step"):
+        return []
+    steps = s["step"]
+    return [panel("data_share", "Median share of each step the ranks wait for data", "step", "data wait / step",
+                  [line("median of all ranks", "subject", steps, s.get("median") or [])],
+                  const(f"run_starved_share {t.run_starved_share:g}", t.run_starved_share, steps),
+                  window=[min(steps), max(steps)])]
+
+
+def _starvation(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    if f.subject_type != "rank":
+        data = step_matrix(f, t0, t1, ("data_wait_s",))
+        if data is None:
+            return _run_starved(f, t)
+        steps, step_ts, _, m = data
+        with np.errstate(all="ignore"):
+            med = np.nanmedian(em.share(m["data_wait_s"], m["step_time_s"]), axis=0)
+        return [panel("data_share", "Median share of each step the ranks wait for data", "step", "data wait / step",
+                      [line("median of all ranks", "subject", steps, em.clean(med))],
+                      const(f"run_starved_share {t.run_starved_share:g}", t.run_starved_share, steps),
+                      window=_step_window(f, steps, step_ts))]
+    return _late_panels(f, t, t0, t1)
+
+
+def _memory(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    data = step_matrix(f, t0, t1, ("mem_allocated_bytes", "mem_reserved_bytes", "mem_total_bytes"), rank=f.rank)
+    if data is None:
+        s = ((f.evidence or {}).get("series") or {}).get("allocated_frac") or {}
+        steps, ys, win = s.get("step") or [], s.get("rank") or [], None
+        reserved: list[Any] = []
+    else:
+        steps, step_ts, _, m = data
+        ys = em.clean(em.share(m["mem_allocated_bytes"], m["mem_total_bytes"])[0])
+        reserved = em.clean(em.share(m["mem_reserved_bytes"], m["mem_total_bytes"])[0])
+        win = _step_window(f, steps, step_ts)
+    if not steps:
+        return []
+    series = [line("allocated", "subject", steps, ys)] + ([line("reserved", "context", steps, reserved)]
+                                                          if reserved else [])
+    return [panel("memory", f"GPU memory held by {f.subject} (fraction of the GPU's)", "step", "fraction",
+                  series, const(f"mem_warn {t.mem_warn:g}", t.mem_warn, steps)
+                  + const(f"mem_error {t.mem_error:g}", t.mem_error, steps), window=win)]
+
+
+def _efficiency(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    run = f.run
+    meta = (run.meta or {}) if run else {}
+    fpt, peak = meta.get("flops_per_token"), meta.get("peak_flops")
+    data = step_matrix(f, t0, t1, ("tokens",)) if run else None
+    if data is None or not fpt or not peak:
+        return []
+    steps, step_ts, ranks, m = data
+    gpus = run.world_size or len(ranks)
+    with np.errstate(all="ignore"):
+        mfu = np.nansum(m["tokens"], axis=0) / np.nanmedian(m["step_time_s"], axis=0) * fpt / (peak * gpus)
+    return [panel("mfu", f"MFU of {run.name} per step", "step", "MFU", [line("MFU", "subject", steps, em.clean(mfu))],
+                  const(f"mfu_floor {t.mfu_floor:g}", t.mfu_floor, steps), direction="below",
+                  window=_step_window(f, steps, step_ts))]
+
+
+def _checkpoint(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    if f.run_id is None:
+        return []
+    steps_ts = _steps_in_range(f.run_id, t0, t1, 1)
+    ckpts = sorted(set(Event.objects.filter(run_id=f.run_id, kind="checkpoint", step__isnull=False)
+                       .values_list("step", flat=True)))
+    if not steps_ts or not ckpts:
+        return []
+    steps = [s for s, _ in steps_ts]
+    pos = np.searchsorted(np.array(ckpts), steps, side="right") - 1
+    since = [int(s - ckpts[p]) if p >= 0 else None for s, p in zip(steps, pos, strict=True)]
+    cadence = ((f.evidence or {}).get("metrics") or {}).get("cadence_steps")
+    limit = cadence + max(t.ckpt_slack_steps, t.ckpt_slack_frac * cadence) if cadence else None
+    return [panel("since_checkpoint", "Steps since the last checkpoint", "step", "steps",
+                  [line("steps since checkpoint", "subject", steps, since)],
+                  const("cadence + slack", limit, steps), window=_step_window(f, steps, [ts for _, ts in steps_ts]),
+                  markers=[{"x": c, "text": "checkpoint"} for c in ckpts if steps[0] <= c <= steps[-1]])]
+
+
+# -- stalls: hang, rank down ------------------------------------------------------------------------------------
+
+def _stall(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    if f.run_id is None:
+        return []
+    steps_ts = _steps_in_range(f.run_id, t0, t1, 1)
+    if not steps_ts:
+        return []
+    metrics = (f.evidence or {}).get("metrics") or {}
+    gaps = np.diff([ts for _, ts in steps_ts])
+    med = metrics.get("median_step_s") or (float(np.median(gaps)) if len(gaps) else 1.0)
+    if f.kind == "hang":
+        limit, name = max(t.hang_steps * med, t.hang_min_s), f"max({t.hang_steps:g}× median step, {t.hang_min_s:g} s)"
+    else:
+        limit, name = max(2.0 * med, t.beat_suspect_s), f"max(2× median step, {t.beat_suspect_s:g} s)"
+    xs = em.ticks(t0, t1, POINTS)
+    stall = em.silence([ts for _, ts in steps_ts], xs)
+    xl = em.clean(xs, 3)
+    out = [panel("stall", f"Seconds since {f.run.name} last completed a step", "time", "no step for (s)",
+                 [line("time since the last step", "subject", xl, stall)], const(name, limit, xl),
+                 window=evidence_window(f))]
+    progress = [line("step (all ranks)", "context", [round(ts, 3) for _, ts in steps_ts], [s for s, _ in steps_ts])]
+    if f.rank is not None:
+        mine = (StepSample.objects.filter(run_id=f.run_id, rank=f.rank, ts__gte=_dt(t0), ts__lte=_dt(t1))
+                .order_by("step").values_list("step", "ts"))
+        progress.insert(0, line(f"rank {f.rank}", "subject", [ts.timestamp() for _, ts in mine], [s for s, _ in mine]))
+    out.append(panel("progress", "Step progress", "time", "step", progress, [], window=evidence_window(f)))
+    return out
+
+
+# -- GPUs: throttling, failing GPU -------------------------------------------------------------------------------
+
+def _gpu_qs(f: Finding) -> Any:
+    return GpuSample.objects.filter(node_id=f.node_id, gpu_index=f.gpu_index)
+
+
+def _throttling(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    if f.node_id is None or f.gpu_index is None:
+        return []
+    qs = _gpu_qs(f).annotate(clock_ratio=F("sm_clock_mhz") / NullIf(F("sm_clock_max_mhz"), 0.0))
+    got = downsample(qs, TimeRange(t0, t1, POINTS), ["clock_ratio", "temp_c"]).get("")
+    if not got:
+        s = ((f.evidence or {}).get("series") or {})
+        if not s.get("ts"):
+            return []
+        got = {"t": s["ts"], "clock_ratio": {"mean": s["clock_ratio"]}, "temp_c": {"mean": []}}
+    xs = got["t"]
+    out = [panel("clock", f"SM clock of {f.subject} as a share of its max", "time", "SM clock / max",
+                 [line("SM clock / max", "subject", xs, em.clean(got["clock_ratio"]["mean"]))],
+                 const(f"clock_ratio {t.clock_ratio:g}", t.clock_ratio, xs), direction="below",
+                 window=evidence_window(f))]
+    if any(v is not None for v in got["temp_c"]["mean"]):
+        out.append(panel("temp", "Temperature", "time", "°C", [line("temperature", "subject", xs,
+                                                                    em.clean(got["temp_c"]["mean"], 1))],
+                         const("87 °C (hot)", 87.0, xs), window=evidence_window(f)))
+    return out
+
+
+COUNTERS = (  # (columns summed, title, threshold attribute, "increase" over the pass's window or "level")
+    (("ecc_sbe_volatile",), "Corrected ECC errors (SBE) in the last 20 s", "sbe_min", "increase"),
+    (("ecc_dbe_volatile",), "Uncorrectable ECC errors (DBE, volatile)", None, "level"),
+    (("pcie_replay_total",), "PCIe replays in the last 20 s", "pcie_replay_min", "increase"),
+    (("nvlink_crc_errors_total", "nvlink_replay_errors_total", "nvlink_recovery_errors_total"),
+     "NVLink errors in the last 20 s", "nvlink_errors_min", "increase"),
+)
+
+
+def _failing_gpu(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    if f.node_id is None or f.gpu_index is None:
+        return []
+    cols = sorted({c for cs, *_ in COUNTERS for c in cs} | {"util_gpu_pct"})
+    # Counters read at the pass's resolution (1 s buckets, the newest value of each), so the rolling increase is
+    # the one the detector summed; the range is capped to keep it to a few thousand points.
+    got = downsample(_gpu_qs(f), TimeRange(max(t0, t1 - 3600), t1, 5000), cols).get("")
+    events = list(Event.objects.filter(node_id=f.node_id, kind="xid", ts__gte=_dt(t0), ts__lte=_dt(t1))
+                  .filter(Q(gpu_index=f.gpu_index) | Q(gpu_index__isnull=True)).values_list("ts", "code"))
+    markers = [{"x": round(ts.timestamp(), 3), "text": f"Xid {code}"} for ts, code in events]
+    if not got:
+        return []
+    xs, win, out = got["t"], evidence_window(f), []
+    for cs, title, attr, how in COUNTERS:
+        vals = [sum(v for v in vs if v is not None) if any(v is not None for v in vs) else None
+                for vs in zip(*(got[c]["max"] for c in cs), strict=True)]
+        known = [v for v in vals if v is not None]
+        if not known or (max(known) - min(known) <= 0 and (how == "increase" or max(known) <= 0)):
+            continue  # only the counters that moved
+        ys = em.rolling_increase(xs, vals, SPANS["gpus"]) if how == "increase" else vals
+        limit = getattr(t, attr) if attr else 0.0
+        out.append(panel(cs[0], f"{title} on {f.subject}", "time", "errors", [line(title, "subject", xs, ys)],
+                         const(f"{attr} {limit:g}" if attr else "> 0", limit, xs), window=win, markers=markers))
+    if not out:  # nothing counted: an Xid or a lost GPU; its utilisation shows when it stopped working
+        out.append(panel("util", f"Utilisation of {f.subject}", "time", "%", [
+            line("GPU utilisation", "subject", xs, em.clean(got["util_gpu_pct"]["mean"], 1))], [], window=win,
+            markers=markers))
+    return out
+
+
+# -- network: slow link, node down -------------------------------------------------------------------------------
+
+def _probe_qs(f: Finding) -> Any:
+    qs = Probe.objects.filter(cluster_id=f.cluster_id)
+    if f.peer_node_id:
+        a, b = f.node, f.peer_node
+        return qs.filter(Q(node=a, peer=b.hostname) | Q(node=b, peer=a.hostname))
+    return qs.filter(Q(node_id=f.node_id) | Q(peer=f.node.hostname))
+
+
+def _slow_link(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    if f.node_id is None:
+        return []
+    metrics, win, out = (f.evidence or {}).get("metrics") or {}, evidence_window(f), []
+    got = downsample(_probe_qs(f), TimeRange(t0, t1, POINTS), ["rtt_ms", "bw_gbps"]).get("")
+    if got and metrics.get("rtt_ms") is not None:
+        xs, base = got["t"], metrics.get("baseline_rtt_ms")
+        out.append(panel("rtt", f"Probe RTT of {f.subject}'s pairs vs the cluster's quiet RTT", "time", "RTT (ms)",
+                         [line(f"{f.subject} pairs", "subject", xs, em.clean(got["rtt_ms"]["mean"])),
+                          line("cluster quiet RTT", "baseline", [xs[0], xs[-1]], [base, base])],
+                         const(f"max({t.rtt_ratio:g}× quiet, quiet + {t.rtt_abs_ms:g} ms)",
+                               em.rtt_threshold(base, t), xs), window=win))
+        if any(v is not None for v in got["bw_gbps"]["mean"]) and metrics.get("baseline_bw_gbps"):
+            bw = metrics["baseline_bw_gbps"]
+            keep = [i for i, v in enumerate(got["bw_gbps"]["mean"]) if v is not None]
+            bx = [xs[i] for i in keep]
+            out.append(panel("bw", f"Bulk bandwidth of {f.subject}'s pairs", "time", "Gb/s",
+                             [line(f"{f.subject} pairs", "subject", bx,
+                                   em.clean([got["bw_gbps"]["mean"][i] for i in keep]))],
+                             const(f"{t.bw_ratio:g}× cluster ({bw:g} Gb/s)", t.bw_ratio * bw, bx), direction="below",
+                             window=win))
+    if "port" in metrics or "ports" in (f.evidence or {}):
+        out += _ports(f, t0, t1, win)
+    return out
+
+
+def _ports(f: Finding, t0: float, t1: float, win: list[float] | None) -> list[dict[str, Any]]:
+    rows = list(PortSample.objects.filter(node_id=f.node_id, ts__gte=_dt(t0), ts__lte=_dt(t1)).order_by("ts")
+                .values_list("ts", "counters", "state")[:5000])
+    if not rows:
+        return []
+    xs = [round(ts.timestamp(), 3) for ts, _, _ in rows]
+    errs = [sum(int((c or {}).get(k, 0) or 0) for k in PORT_ERRORS) for _, c, _ in rows]
+    down = [{"x": x, "text": str(s)} for x, (_, _, s) in zip(xs, rows, strict=True)
+            if s and not str(s).upper().endswith("ACTIVE")]
+    return [panel("port_errors", f"IB port errors on {f.node.hostname} per sample", "time", "errors",
+                  [line("link errors", "subject", xs, errs)], const("> 0", 0.0, xs), window=win, markers=down[:50])]
+
+
+def _node_down(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    if f.node_id is None:
+        return []
+    first = GpuSample.objects.filter(node_id=f.node_id).order_by("gpu_index").values_list("gpu_index", flat=True)[:1]
+    heard_qs = (GpuSample.objects.filter(node_id=f.node_id, gpu_index__in=list(first)) if first
+                else HostSample.objects.filter(node_id=f.node_id))
+    heard = [ts.timestamp() for ts in heard_qs.filter(ts__gte=_dt(t0 - 120), ts__lte=_dt(t1))
+             .order_by("ts").values_list("ts", flat=True)[:20000]]
+    if not heard:
+        return []
+    xs = em.ticks(t0, t1, POINTS)
+    xl, win = em.clean(xs, 3), evidence_window(f)
+    limit = max(t.silent_min_s, t.silent_intervals * em.median_interval(heard))
+    out = [panel("silence", f"Seconds since {f.node.hostname} was last heard from", "time", "silent for (s)",
+                 [line("heartbeat gap", "subject", xl, em.silence(heard, xs))],
+                 const(f"silent limit {limit:g} s (with probe loss)", limit, xl)
+                 + const(f"heartbeat_s {t.heartbeat_s:g}", t.heartbeat_s, xl), window=win)]
+    loss_qs = Probe.objects.filter(cluster_id=f.cluster_id, peer=f.node.hostname).annotate(
+        loss=Cast(F("lost"), FloatField()) / NullIf(Cast(F("sent"), FloatField()), 0.0))
+    got = downsample(loss_qs, TimeRange(t0, t1, POINTS), ["loss"]).get("")
+    if got:
+        out.append(panel("probe_loss", f"Probe loss of the peers' probes to {f.node.hostname}", "time", "loss",
+                         [line("probe loss", "subject", got["t"], em.clean(got["loss"]["mean"]))],
+                         const(f"probe_loss_frac {t.probe_loss_frac:g}", t.probe_loss_frac, got["t"]), window=win))
+    return out
+
+
+# -- NCCL --------------------------------------------------------------------------------------------------------
+
+def _nccl(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    metrics = (f.evidence or {}).get("metrics") or {}
+    if "NCCL_IB_TIMEOUT" in metrics:
+        v = metrics["NCCL_IB_TIMEOUT"]
+        return [panel("ib_timeout", f"NCCL_IB_TIMEOUT at {metrics.get('world_size')} ranks", "category", "value",
+                      [line("NCCL_IB_TIMEOUT", "subject", ["NCCL_IB_TIMEOUT"], [v])],
+                      const(f"ib_timeout_min {t.ib_timeout_min}", t.ib_timeout_min, ["NCCL_IB_TIMEOUT"]),
+                      direction="below", kind="bar")]
+    diffs = metrics.get("differences") or {}
+    if not diffs or f.run_id is None:
+        return []
+    envs = [((m or {}).get("env") or {}) for m in Rank.objects.filter(run_id=f.run_id).values_list("meta", flat=True)]
+    out = []
+    for var in sorted(diffs)[:4]:
+        counts: dict[str, int] = {}
+        for env in envs:
+            key = str(env.get(var, "(unset)"))
+            counts[key] = counts.get(key, 0) + 1
+        xs = sorted(counts, key=lambda k: -counts[k])
+        out.append(panel(f"drift_{var}", f"Ranks per value of {var}", "category", "ranks",
+                         [line(var, "subject", xs, [counts[k] for k in xs])], [], kind="bar"))
+    return out
+
+
+# The Thresholds fields each kind's detector compares against (shown with the numbers).
+PARAMS: dict[str, tuple[str, ...]] = {
+    "data_starvation": ("z", "data_share_min", "persist_steps", "recent_steps", "run_starved_share"),
+    "straggler": ("z", "compute_ratio_min", "late_min_frac", "persist_steps", "recent_steps"),
+    "slow_link": ("rtt_ratio", "rtt_abs_ms", "loss_frac", "bw_ratio", "node_bad_frac", "port_error_samples"),
+    "failing_gpu": ("sbe_min", "sbe_samples", "pcie_replay_min", "nvlink_errors_min"),
+    "throttling": ("clock_ratio", "throttle_s", "throttle_with_rank_s", "busy_util_pct"),
+    "node_down": ("silent_min_s", "silent_intervals", "heartbeat_s", "probe_loss_frac"),
+    "rank_down": ("beat_silent_s", "beat_suspect_s"), "hang": ("hang_steps", "hang_min_s"),
+    "nccl_config": ("ib_timeout_min", "ib_timeout_scale_ranks"),
+    "checkpoint_overdue": ("ckpt_slack_steps", "ckpt_slack_frac", "ckpt_max_age_s", "gpu_hour_usd"),
+    "memory_pressure": ("mem_warn", "mem_error", "persist_steps"), "efficiency": ("mfu_floor",),
+}
+
+BUILDERS: dict[str, Callable[[Finding, Thresholds, float, float], list[dict[str, Any]]]] = {
+    "data_starvation": _starvation, "straggler": _late_panels, "slow_link": _slow_link,
+    "failing_gpu": _failing_gpu, "throttling": _throttling, "node_down": _node_down, "rank_down": _stall,
+    "hang": _stall, "nccl_config": _nccl, "checkpoint_overdue": _checkpoint, "memory_pressure": _memory,
+    "efficiency": _efficiency,
+}
+
+
+def chart(f: Finding, t: Thresholds | None = None, now: float | None = None) -> dict[str, Any]:
+    """Everything a page needs to draw the finding's evidence (see the module docstring)."""
+    t = t or thresholds()
+    t0, t1 = context_range(f, now)
+    build = BUILDERS.get(f.kind)
+    panels = build(f, t, t0, t1) if build else []
+    metrics = (f.evidence or {}).get("metrics") or {}
+    used = {name: getattr(t, name) for name in PARAMS.get(f.kind, ())}
+    return {"kind": f.kind, "range": [round(t0, 3), round(t1, 3)], "window": evidence_window(f), "panels": panels,
+            "numbers": em.flatten(metrics if isinstance(metrics, dict) else {}), "thresholds": used,
+            "problems": (f.evidence or {}).get("problems") or []}
