@@ -43,7 +43,7 @@ class Transport:
         headers = {"Content-Type": "application/json", "User-Agent": "clusterdx-alerts/1",
                    **self.headers(alert, body)}
         return http.post(self.endpoint.url, body, headers, timeout=float(conf.get("ALERTS_HTTP_TIMEOUT_S")),
-                         allow_private=conf.allow_private())
+                         allow_private=conf.allow_private(), allow_networks=conf.allow_networks())
 
 
 def transport_class(kind: str) -> type[Transport]:

@@ -1,23 +1,33 @@
-"""The only outbound HTTP of the alerts: one POST with timeouts, a guard against private destinations, and the
+"""The only outbound HTTP of the alerts: one POST under one deadline, a guard against private destinations, and the
 answer classified (delivered / retry later / permanent) so callers store it as data instead of raising.
 
-The guard resolves the host itself, refuses the request if ANY address is private, loopback, link-local or
-otherwise not global (unless ``CLUSTERDX["ALERTS_ALLOW_PRIVATE"]``), and then connects to the address it checked,
-keeping the Host header and TLS server name: a DNS answer that changes between check and connect (rebinding)
-cannot redirect the request inside the network.
+The guard resolves the host itself and refuses the request if ANY address is private, loopback, link-local, a
+tunnel or translation that may lead to one (6to4, Teredo, NAT64 of a private address, IPv4-mapped) or otherwise not
+global, unless its network is in ``ALERTS_ALLOW_NETWORKS`` (or ``ALERTS_ALLOW_PRIVATE`` allows them all). It then
+connects to the address it checked (:class:`PinnedBackend`), keeping the URL's host for the Host header and TLS: a
+DNS answer that changes between check and connect (rebinding) cannot redirect the request inside the network.
+
+One deadline covers the whole request (resolve, connect, TLS, send, the answer's head): every socket operation gets
+only the time left, so a receiver dripping a byte at a time cannot hold a sender past it. Only the status line and
+headers are read, never the body: what an internal service answers is nobody's to read, and the stored error is the
+status code with its standard reason.
 """
 
 from __future__ import annotations
 
 import email.utils
+import functools
 import ipaddress
 import logging
 import socket
+import ssl
 import time
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import httpcore
 import httpx
 
 log = logging.getLogger(__name__)
@@ -25,8 +35,21 @@ log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
 Resolver = Callable[..., list[tuple[Any, ...]]]
+IP = ipaddress.IPv4Address | ipaddress.IPv6Address
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 MAX_RETRY_AFTER_S = 3600.0
-BODY_EXCERPT = 300
+WRITE_CHUNK = 16 * 1024
+ALLOW_HINT = "(add its network to CLUSTERDX_ALERTS_ALLOW_NETWORKS to allow it)"
+
+# IPv6 prefixes that carry an IPv4 address (or lead through a relay): judged before the generic checks, which
+# Python's ipaddress gets wrong for some of them (2002::/16 is "global" in 3.11).
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # DNS64 on IPv6-only networks: fine when the IPv4 inside is public
+_TUNNELS = (
+    (ipaddress.IPv6Network("2002::/16"), "6to4 tunnel"),  # RFC 7526 deprecated it; relays reach anything
+    (ipaddress.IPv6Network("2001::/32"), "Teredo tunnel"),
+    (ipaddress.IPv6Network("64:ff9b:1::/48"), "local NAT64"),  # RFC 8215: translated into the local network
+    (ipaddress.IPv6Network("::ffff:0:0:0/96"), "IPv4-translated"),  # SIIT
+)
 
 
 class Refused(Exception):
@@ -46,9 +69,16 @@ class HttpResult:
         return self.status is not None and 200 <= self.status < 300
 
 
-def _why_not_global(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return _why_not_global(ip.ipv4_mapped)
+def _why_not_global(ip: IP) -> str | None:
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:  # no DNS answer has a reason to be one
+            return _why_not_global(ip.ipv4_mapped) or "IPv4-mapped"
+        for network, what in _TUNNELS:
+            if ip in network:
+                return what
+        if ip in _NAT64:
+            why = _why_not_global(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+            return f"NAT64-translated {why}" if why else None
     for attr, what in (("is_unspecified", "unspecified"), ("is_loopback", "loopback"), ("is_link_local", "link-local"),
                        ("is_private", "private"), ("is_multicast", "multicast"), ("is_reserved", "reserved")):
         if getattr(ip, attr):
@@ -56,18 +86,29 @@ def _why_not_global(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | 
     return None if ip.is_global else "not globally routable"
 
 
-def check_destination(host: str, port: int, *, allow_private: bool, resolve: Resolver = socket.getaddrinfo) -> str:
+def why_refused(ip: IP, *, allow_private: bool, allow_networks: Iterable[Network] = ()) -> str | None:
+    """Why ``ip`` may not be connected to (a phrase: "a {why} address"), or None when it may."""
+    if allow_private:
+        return None
+    plain = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped else ip
+    # Same version first: ipaddress compares the bare integers, so 10.0.5.7 would otherwise be "in" ::/96.
+    if any(plain.version == net.version and plain in net for net in allow_networks):
+        return None
+    return _why_not_global(ip)
+
+
+def check_destination(host: str, port: int, *, allow_private: bool, allow_networks: Iterable[Network] = (),
+                      resolve: Resolver = socket.getaddrinfo) -> str:
     """The address to connect to for ``host``; raises Refused, or OSError when the name does not resolve."""
     infos = resolve(host, port, type=socket.SOCK_STREAM)
     addresses = list(dict.fromkeys(str(info[4][0]).split("%")[0] for info in infos))
     if not addresses:
         raise OSError(f"{host} has no address")
-    if not allow_private:
-        for addr in addresses:
-            why = _why_not_global(ipaddress.ip_address(addr))
-            if why:
-                raise Refused(f"refused: {host} resolves to {addr}, a {why} address "
-                              "(set CLUSTERDX_ALERTS_ALLOW_PRIVATE=1 to allow on-premises receivers)")
+    networks = tuple(allow_networks)
+    for addr in addresses:
+        why = why_refused(ipaddress.ip_address(addr), allow_private=allow_private, allow_networks=networks)
+        if why:
+            raise Refused(f"refused: {host} resolves to {addr}, a {why} address {ALLOW_HINT}")
     return addresses[0]
 
 
@@ -87,67 +128,123 @@ def parse_retry_after(value: str | None) -> float | None:
     return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
 
 
-def classify(status: int, headers: httpx.Headers, body: str, duration_ms: float) -> HttpResult:
+def classify(status: int, headers: Mapping[str, str], duration_ms: float) -> HttpResult:
     if 200 <= status < 300:
         return HttpResult(status, "", False, None, duration_ms)
-    excerpt = " ".join(body.split())[:BODY_EXCERPT]
-    error = f"HTTP {status}" + (f": {excerpt}" if excerpt else "")
+    # The standard reason, never the receiver's words: its reply may be an internal service's page.
+    error = f"HTTP {status} {httpx.codes.get_reason_phrase(status)}".rstrip()
     # 408 and 429 say "later"; 5xx is the receiver's trouble; every other answer (404, 410, 400, 3xx) will not change.
     retryable = status in (408, 429) or status >= 500
     retry_after = parse_retry_after(headers.get("retry-after")) if retryable else None
     return HttpResult(status, error, retryable, retry_after, duration_ms)
 
 
-def _pinned(url: httpx.URL, address: str) -> tuple[httpx.URL, dict[str, str], dict[str, Any]]:
-    host_header = url.netloc.decode("ascii")
-    extensions = {"sni_hostname": url.host} if url.scheme == "https" else {}
-    return url.copy_with(host=address), {"Host": host_header}, extensions
+class _Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self, timeout: type[Exception]) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise timeout("the request's deadline has passed")
+        return left
+
+
+class _Stream(httpcore.NetworkStream):
+    """A socket whose every operation gets only what is left of the request's deadline, not a fresh timeout."""
+
+    def __init__(self, inner: httpcore.NetworkStream, deadline: _Deadline) -> None:
+        self._inner, self._deadline = inner, deadline
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, self._deadline.left(httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        for start in range(0, len(buffer), WRITE_CHUNK):  # one send per chunk, each within the time left
+            self._inner.write(buffer[start:start + WRITE_CHUNK], self._deadline.left(httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
+                  timeout: float | None = None) -> httpcore.NetworkStream:
+        inner = self._inner.start_tls(ssl_context, server_hostname, self._deadline.left(httpcore.ConnectTimeout))
+        return _Stream(inner, self._deadline)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class PinnedBackend(httpcore.NetworkBackend):
+    """Connects to the vetted address whatever host it is asked for (the URL's host stays for Host and TLS), checks
+    that address once more, and puts every socket operation under one deadline."""
+
+    def __init__(self, address: str, *, deadline_s: float, allow_private: bool,
+                 allow_networks: Iterable[Network] = ()) -> None:
+        self.address, self.deadline = address, _Deadline(deadline_s)
+        self.allow_private, self.allow_networks = allow_private, tuple(allow_networks)
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                    socket_options: typing.Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        why = why_refused(ipaddress.ip_address(self.address), allow_private=self.allow_private,
+                          allow_networks=self.allow_networks)
+        if why:
+            raise Refused(f"refused: {self.address} is a {why} address {ALLOW_HINT}")
+        stream = httpcore.SyncBackend().connect_tcp(self.address, port, self.deadline.left(httpcore.ConnectTimeout),
+                                                    local_address, socket_options)
+        return _Stream(stream, self.deadline)
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None,
+                            socket_options: typing.Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        raise Refused("refused: alerts never go to a unix socket")
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    return httpx.create_ssl_context(trust_env=False)  # certifi's CAs, as httpx uses; built once
 
 
 def post(url: str, body: bytes, headers: dict[str, str], *, timeout: float, allow_private: bool,
-         resolve: Resolver = socket.getaddrinfo) -> HttpResult:
-    """POST ``body``; never raises for anything the network or the receiver does."""
+         allow_networks: Iterable[Network] = (), resolve: Resolver = socket.getaddrinfo) -> HttpResult:
+    """POST ``body``, all of it within ``timeout`` seconds; never raises for anything the network or receiver does."""
     started = time.monotonic()
 
     def done(error: str, retryable: bool) -> HttpResult:
         return HttpResult(None, error, retryable, None, (time.monotonic() - started) * 1000)
 
+    networks = tuple(allow_networks)
     try:
         target = httpx.URL(url)
         if target.scheme not in ("http", "https") or not target.host:
             return done(f"unsupported URL scheme {target.scheme!r}", False)
         address = check_destination(target.host, target.port or (443 if target.scheme == "https" else 80),
-                                    allow_private=allow_private, resolve=resolve)
+                                    allow_private=allow_private, allow_networks=networks, resolve=resolve)
     except Refused as exc:
         return done(str(exc), False)
     except httpx.InvalidURL as exc:
         return done(f"invalid URL: {exc}", False)
     except OSError as exc:  # DNS trouble is usually passing
         return done(f"cannot resolve the receiver's host: {exc}", True)
-    pinned, host_header, extensions = _pinned(target, address)
+    backend = PinnedBackend(address, deadline_s=timeout - (time.monotonic() - started), allow_private=allow_private,
+                            allow_networks=networks)
     try:
-        with httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False) as client:
-            request = client.build_request("POST", pinned, content=body, headers={**headers, **host_header},
-                                           extensions=extensions)
-            response = client.send(request, stream=True)
-            try:
-                text = _read_excerpt(response)
-            finally:
-                response.close()
-            return classify(response.status_code, response.headers, text, (time.monotonic() - started) * 1000)
-    except httpx.TimeoutException as exc:
-        return done(f"timeout after {timeout:g} s ({type(exc).__name__})", True)
-    except httpx.TransportError as exc:  # connection refused or reset, TLS failure, protocol error
-        return done(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, True)
+        return _send(target, body, headers, backend, started)
+    except Refused as exc:
+        return done(str(exc), False)
+    except httpcore.TimeoutException:
+        return done(f"receiver too slow: no complete answer within {timeout:g} s", True)
+    except httpcore.ProtocolError as exc:  # h11's message quotes what the receiver sent: not ours to show
+        return done(f"{type(exc).__name__}: no valid HTTP answer", True)
+    except httpcore.NetworkError as exc:  # connection refused or reset, TLS failure
+        return done(f"{type(exc).__name__}: {exc}"[:200] if str(exc) else type(exc).__name__, True)
 
 
-def _read_excerpt(response: httpx.Response) -> str:
-    """At most a few KB of the answer: enough for an error message, never a receiver's whole page."""
-    chunks: list[bytes] = []
-    size = 0
-    for chunk in response.iter_bytes():
-        chunks.append(chunk)
-        size += len(chunk)
-        if size >= 4096:
-            break
-    return b"".join(chunks)[:4096].decode("utf-8", "replace")
+def _send(target: httpx.URL, body: bytes, headers: dict[str, str], backend: PinnedBackend,
+          started: float) -> HttpResult:
+    url = httpcore.URL(scheme=target.raw_scheme, host=target.raw_host, port=target.port, target=target.raw_path)
+    request_headers = [("Host", target.netloc.decode("ascii")), *headers.items()]
+    # Leaving the block closes the connection with the body unread: the status and headers are all we use.
+    with (httpcore.ConnectionPool(ssl_context=_ssl_context(), network_backend=backend, retries=0) as pool,
+          pool.stream("POST", url, headers=request_headers, content=body) as response):
+        answer = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in response.headers}
+        return classify(response.status, answer, (time.monotonic() - started) * 1000)

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import re
+from http import HTTPStatus
+
 from django import forms
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
@@ -17,6 +20,9 @@ from dashboard.telemetry.models import Cluster
 from dashboard.web.access import visible_clusters
 
 LOG_ROWS = 200
+_KNOWN_CODES = {s.value for s in HTTPStatus}
+_OLD_EXCERPT = re.compile(r"(?P<status>HTTP \d{3}): .*?(?P<suffix> \((?:gave up after \d+ attempts|test sends are not "
+                          r"retried)\))?$", re.DOTALL)
 
 
 class EndpointForm(forms.Form):
@@ -64,8 +70,7 @@ def endpoint_action(request: HttpRequest, name: str, pk: int, action: str) -> Ht
     if action == "test":
         row = endpoints.send_test(endpoint)
         level = messages.SUCCESS if row.status == Delivery.Status.DELIVERED else messages.ERROR
-        detail = f"HTTP {row.response_code}" if row.response_code else ""
-        messages.add_message(request, level, f"Test to {endpoint.name}: {row.status} {detail} {row.last_error}")
+        messages.add_message(request, level, f"Test to {endpoint.name}: {row.status} {_outcome(row)}".rstrip())
     elif action in ("enable", "disable"):
         endpoint.enabled = action == "enable"
         endpoint.save(update_fields=["enabled"])
@@ -78,6 +83,15 @@ def endpoint_action(request: HttpRequest, name: str, pk: int, action: str) -> Ht
     return redirect("alerts", name=cluster.name)
 
 
+def _outcome(row: Delivery) -> str:
+    """The status code with its standard reason, or our own reason when nothing answered: never the receiver's reply
+    (a member could otherwise read an internal service through a test send)."""
+    if not row.response_code:
+        return f"({row.last_error})" if row.last_error else ""
+    phrase = HTTPStatus(row.response_code).phrase if row.response_code in _KNOWN_CODES else ""
+    return f"HTTP {row.response_code} {phrase}".rstrip()
+
+
 @login_required
 def delivery_log(request: HttpRequest, name: str) -> HttpResponse:
     cluster = _cluster(request, name)
@@ -86,4 +100,13 @@ def delivery_log(request: HttpRequest, name: str) -> HttpResponse:
     endpoint_id = request.GET.get("endpoint", "")
     if endpoint_id.isdigit():
         rows = rows.filter(endpoint_id=int(endpoint_id))
-    return render(request, "alerts/deliveries.html", {"cluster": cluster, "rows": rows[:LOG_ROWS]})
+    rows = list(rows[:LOG_ROWS])
+    for row in rows:
+        row.shown_error = _without_reply(row.last_error)  # type: ignore[attr-defined]
+    return render(request, "alerts/deliveries.html", {"cluster": cluster, "rows": rows})
+
+
+def _without_reply(error: str) -> str:
+    """Rows stored before replies were dropped read "HTTP 404: <reply>": show them without it, too."""
+    old = _OLD_EXCERPT.match(error)
+    return f"{old['status']}{old['suffix'] or ''}" if old else error

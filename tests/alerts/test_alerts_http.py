@@ -51,7 +51,7 @@ def test_a_refused_destination_fails_for_good_without_a_request(cluster: Any, no
     assert receiver.requests == []
     assert (row.status, row.attempts) == (Delivery.Status.FAILED, 1)
     assert row.last_error == ("refused: 127.0.0.1 resolves to 127.0.0.1, a loopback address "
-                              "(set CLUSTERDX_ALERTS_ALLOW_PRIVATE=1 to allow on-premises receivers)")
+                              "(add its network to CLUSTERDX_ALERTS_ALLOW_NETWORKS to allow it)")
 
 
 def test_it_connects_to_the_address_it_checked_and_keeps_the_host(receiver: Receiver) -> None:

@@ -169,7 +169,7 @@ def test_the_worker_stops_at_a_404(alerts: Worker, world_alerts: Any, receiver: 
     time.sleep(1.0)
     row = Delivery.objects.get()
     assert len(receiver.requests) == 1
-    assert (row.status, row.attempts, row.last_error) == (S.FAILED, 1, "HTTP 404: answer 404 from the test receiver")
+    assert (row.status, row.attempts, row.last_error) == (S.FAILED, 1, "HTTP 404 Not Found")
 
 
 def test_a_hung_receiver_times_out_and_the_retry_delivers(alerts: Worker, world_alerts: Any,
