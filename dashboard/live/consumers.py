@@ -17,7 +17,7 @@ from django.conf import settings
 
 from dashboard.live import snapshot
 from dashboard.live.broadcast import cluster_group, run_group
-from dashboard.live.events import GPU_ROW, STEP_ROW
+from dashboard.live.events import EVENT_KEYS, GPU_ROW, STEP_ROW
 from dashboard.telemetry.models import Cluster, Run
 
 MAX_PENDING_STEPS = 20_000
@@ -26,7 +26,8 @@ MAX_PENDING_STEPS = 20_000
 @database_sync_to_async
 def _resolve(user: Any, query: dict[str, list[str]]) -> tuple[Cluster, Run | None] | None:
     """The cluster (and run) a client asks for, when the user may see it; ``?node=HOST`` narrows a cluster stream to
-    one node (its GPUs and events), so a node page does not receive 16,000 GPUs' deltas to throw away."""
+    one node (its GPUs and events), so a node page does not receive 16,000 GPUs' deltas to throw away; ``?only=findings``
+    (a comma list of event kinds) keeps just those kinds, for pages that follow findings only."""
     try:
         if "run" in query:
             run = Run.objects.select_related("cluster").get(id=int(query["run"][0]))
@@ -39,8 +40,14 @@ def _resolve(user: Any, query: dict[str, list[str]]) -> tuple[Cluster, Run | Non
 
 
 @database_sync_to_async
-def _snapshot(cluster: Cluster, run: Run | None, host: str | None) -> dict[str, Any]:
+def _snapshot(cluster: Cluster, run: Run | None, host: str | None, only: set[str] | None) -> dict[str, Any]:
     frame: dict[str, Any] = {"type": "snapshot", "seq": 0, "columns": {"steps": STEP_ROW, "gpus": GPU_ROW}}
+    if only is not None:
+        if "findings" in only:
+            frame["findings"] = snapshot.open_findings(cluster.id, run.id if run else None)
+        if "events" in only:
+            frame["events"] = snapshot.recent_events(cluster.id, run.id if run else None, host)
+        return frame
     if run is not None:
         run.refresh_from_db()
         frame["run"] = snapshot.run_info(run)
@@ -66,13 +73,15 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             return
         cluster, run = found
         self.host: str | None = (query.get("node") or [None])[0]
+        only = (query.get("only") or [""])[0]
+        self.only: set[str] | None = {k for k in only.split(",") if k in EVENT_KEYS} if only else None
         self.groups_joined = [cluster_group(cluster.id)] + ([run_group(run.id)] if run else [])
         for group in self.groups_joined:
             await self.channel_layer.group_add(group, self.channel_name)
         self.pending: dict[str, Any] = {}
         self.seq = 0
         await self.accept()
-        await self.send_json(await _snapshot(cluster, run, self.host))
+        await self.send_json(await _snapshot(cluster, run, self.host, self.only))
         self.flusher = asyncio.create_task(self._flush_forever())
 
     async def disconnect(self, code: int) -> None:
@@ -87,6 +96,8 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
     async def live_event(self, message: dict[str, Any]) -> None:
         event = message["event"]
         kind = event["type"]
+        if self.only is not None and kind not in self.only:
+            return
         if self.host is not None and kind in ("gpus", "events"):
             key = 0 if kind == "gpus" else "host"
             rows = [r for r in event[kind] if r[key] == self.host]

@@ -108,3 +108,34 @@ def test_a_cluster_socket_gets_gpu_updates_and_severe_events(asgi_server: AsgiSe
             events += recv_json(ws).get("events", [])
         assert events[0]["code"] == 79 and events[0]["host"] == "node-000"
         assert "<b>hostile</b>" in events[0]["message"], "text travels verbatim; the page escapes it"
+
+
+def test_a_reload_keeps_the_events_and_a_node_stream_carries_only_that_node(
+        asgi_server: AsgiServer, world: World, client: Any) -> None:
+    xid = {"ts": time.time(), "kind": "xid", "severity": "critical", "code": 79, "gpu_index": 3,
+           "message": "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus."}
+    assert ingest(asgi_server, world.token, make_batch(seq=0, host="node-000", events=[xid])).status_code == 200
+    assert ingest(asgi_server, world.token, make_batch(seq=0, host="node-001")).status_code == 200
+    cookie = session_cookie(client, world.owner)
+    # A new connection (a reload) gets the event from the database, not only from later deltas.
+    with ws_connect(asgi_server, f"/ws/live/?cluster={world.cluster.id}", cookie) as ws:
+        snap = recv_json(ws)
+        assert [(e["host"], e["code"]) for e in snap["events"]] == [("node-000", 79)]
+        assert {g[0] for g in snap["gpus"]} == {"node-000", "node-001"}
+    with ws_connect(asgi_server, f"/ws/live/?cluster={world.cluster.id}&node=node-001", cookie) as ws:
+        snap = recv_json(ws)
+        assert snap["events"] == [] and {g[0] for g in snap["gpus"]} == {"node-001"}
+        for seq in (1, 2):
+            for host in ("node-000", "node-001"):
+                assert ingest(asgi_server, world.token, make_batch(seq=seq, host=host)).status_code == 200
+        hosts: set[str] = set()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and len(hosts) == 0:
+            hosts |= {g[0] for g in recv_json(ws).get("gpus", [])}
+        assert hosts == {"node-001"}
+    with ws_connect(asgi_server, f"/ws/live/?cluster={world.cluster.id}&only=findings", cookie) as ws:
+        snap = recv_json(ws)
+        assert set(snap) == {"type", "seq", "columns", "findings"}
+        assert ingest(asgi_server, world.token, make_batch(seq=3, host="node-001")).status_code == 200
+        with pytest.raises(TimeoutError):  # GPU deltas are not for this client
+            recv_json(ws, timeout=1.5)

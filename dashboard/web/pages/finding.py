@@ -69,7 +69,7 @@ def detail(f: Finding) -> dict[str, Any]:
     # The page needs only the cluster's findings from the stream: narrowed to no node ("-"), it is spared every
     # GPU's deltas and events (a 2,048-node snapshot is megabytes of them).
     return {"finding": finding_info(f), "chart": evidence.chart(f), "earlier": earlier(f),
-            "deliveries": deliveries(f), "ws": f"/ws/live/?cluster={f.cluster_id}&node=-"}
+            "deliveries": deliveries(f), "ws": f"/ws/live/?cluster={f.cluster_id}&only=findings"}
 
 
 @login_required
@@ -89,7 +89,7 @@ def finding_list(request: HttpRequest, name: str) -> HttpResponse:
     runs = list(Run.objects.filter(cluster=cluster).order_by("-id").values("id", "name")[:200])
     hosts = list(Node.objects.filter(cluster=cluster).order_by("hostname").values_list("hostname", flat=True)[:5000])
     data = {"cluster": cluster.name, "cluster_id": cluster.id, "api": "/api/v1/findings",
-            "ws": f"/ws/live/?cluster={cluster.id}&node=-"}
+            "ws": f"/ws/live/?cluster={cluster.id}&only=findings"}
     return render(request, "web/findings.html", {"cluster": cluster, "runs": runs, "hosts": hosts, "kinds": KINDS,
                                                   "severities": SEVERITIES, "states": Finding.State.values,
                                                   "data": data})
