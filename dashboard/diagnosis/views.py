@@ -155,4 +155,13 @@ def explain(request: HttpRequest, run_id: int, step: int) -> JsonResponse:
     body = explain_step(run, step)
     if body is None:
         return _error(404, "not_found", f"run {run_id} has no step {step}")
+    from dashboard.web.links import gpu_url, node_url, rank_url
+
+    # Every rank, node and GPU the explanation names links to its page, at any run size.
+    for row in body["ranks"]:
+        row["url"] = rank_url(run.id, row["rank"])
+        if row.get("host"):
+            row["node_url"] = node_url(run.cluster.name, row["host"])
+            if row.get("gpu") is not None:
+                row["gpu_url"] = gpu_url(run.cluster.name, row["host"], row["gpu"])
     return JsonResponse(body)

@@ -114,6 +114,8 @@ def test_the_page_links_the_explain_api_with_every_layer(client: Any, world: Wor
     assert set(body["layers"]) >= {"gpus", "nccl", "xid", "ib", "probes", "other_events"}
     assert body["layers"]["gpus"]["throttled"], "the straggler's GPU is throttled in the window"
     assert len(body["ranks"]) == 32 and body["cause"]["summary"]
+    six = next(r for r in body["ranks"] if r["rank"] == 6)
+    assert (six["url"], six["gpu_url"]) == (f"/runs/{run.id}/ranks/6/", "/clusters/prod-a/nodes/node-001/gpus/2/")
     rank = _get(client, world.owner, f"/runs/{run.id}/ranks/6/")
     assert rank.status_code == 200 and "/clusters/prod-a/nodes/node-001/gpus/2/" in rank.content.decode()
     r = client.get(f"/api/v1/runs/{run.id}/ranks/6").json()

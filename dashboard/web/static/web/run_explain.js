@@ -34,7 +34,8 @@ const table = (head, rows, empty) => rows.length
 
 export function explainTables(d, P) {
   const host = (h) => link(P.hosts[h], h || "?");
-  const rank = (r) => link((P.ranks[r] || {}).url, `rank ${r}`);
+  const rankUrls = new Map(d.ranks.map((r) => [r.rank, r.url]));
+  const rank = (r) => link(rankUrls.get(r) || (P.ranks[r] || {}).url, `rank ${r}`);
   const L = d.layers;
   const g = L.gpus;
   // the ranks whose GPU looked worst in the window: throttled, lowest clock ratio, lowest utilisation
