@@ -29,8 +29,10 @@ class Epoch(Func):
     output_field = FloatField()
 
     def as_sqlite(self, compiler: Any, connection: Any, **extra: Any) -> Any:
-        return self.as_sql(compiler, connection, template="((julianday(%(expressions)s) - 2440587.5) * 86400.0)",
-                           **extra)
+        # julianday() carries ~4e-5 s of rounding error at today's dates, which put half of all whole-second samples
+        # in the previous bucket; rounding to the millisecond (what the agents send) makes it exact.
+        template = "ROUND((julianday(%(expressions)s) - 2440587.5) * 86400.0, 3)"
+        return self.as_sql(compiler, connection, template=template, **extra)
 
     def as_postgresql(self, compiler: Any, connection: Any, **extra: Any) -> Any:
         return self.as_sql(compiler, connection, template="EXTRACT(EPOCH FROM %(expressions)s)::float8", **extra)
@@ -46,6 +48,13 @@ class TimeRange:
     def bucket_s(self) -> float:
         """Bucket width: 1 s (the agents' rate) up to whatever keeps the series under ``points``."""
         return max(1.0, math.ceil((self.t1 - self.t0) / self.points))
+
+    @property
+    def first_bucket_t(self) -> float:
+        """Where the first bucket starts. Buckets are aligned to the epoch (a refresh and a live append land on the
+        same buckets), so a range touches up to ``points + 1`` of them; the oldest, partial one is left out."""
+        width = self.bucket_s
+        return max(self.t0, (math.floor(self.t1 / width) - self.points + 1) * width)
 
     def as_dict(self) -> dict[str, Any]:
         return {"from": self.t0, "to": self.t1, "bucket_s": self.bucket_s}
@@ -98,7 +107,8 @@ def downsample(qs: QuerySet[Any], tr: TimeRange, fields: list[str], by: list[str
         aggs[f"{f}__min"] = Min(f)
         aggs[f"{f}__mean"] = Avg(f)
         aggs[f"{f}__max"] = Max(f)
-    rows = (in_range(qs, tr, ts).annotate(bucket=Floor(Epoch(F(ts)) / width))
+    # Rows from the first whole bucket on: at most ``points`` buckets, whatever the range's ragged edges.
+    rows = (in_range(qs, TimeRange(tr.first_bucket_t, tr.t1, tr.points), ts).annotate(bucket=Floor(Epoch(F(ts)) / width))
             .values(*by, "bucket").annotate(**aggs).order_by(*by, "bucket"))
     out: dict[str, dict[str, Any]] = {}
     for row in rows:
