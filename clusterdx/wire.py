@@ -5,6 +5,7 @@ Standard library only, so the agent, the training hooks and the server all impor
 A batch is one JSON object (optionally gzip-compressed on the wire)::
 
     {"v": 1, "agent_id": "node-017", "seq": 42, "host": "node-017", "sent_at": 1764464000.0,
+     "topology": {"rack": "r12", "switch": "leaf-12"},
      "gpus": [...], "hosts": [...], "ports": [...], "events": [...], "steps": [...], "probes": [...],
      "runs": [...], "dropped": {"spool": 0}}
 
@@ -94,6 +95,9 @@ Text = Annotated[str, Len(8192)]
 Ident = Annotated[str, Len(128, 1), Pattern(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]*")]
 # Host names come from the machines themselves; RFC 1123 labels (and a few cloud oddities such as underscores).
 Hostname = Annotated[str, Len(253, 1), Pattern(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")]
+# Rack, switch and spine names as an inventory or Slurm's topology.conf writes them: host-name-like, short (the
+# server keeps 64 characters).
+FabricName = Annotated[str, Len(64, 1), Pattern(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*")]
 Severity = Literal["info", "warning", "error", "critical"]
 Labels = Annotated[dict[str, Annotated[str, Len(1024)]], Len(64)]
 Numbers = Annotated[dict[str, float], Len(64)]
@@ -290,6 +294,17 @@ class RankBeat(Record):
     pid: Annotated[int, Range(ge=0, le=2**31)] | None = None
 
 
+class Topology(Record):
+    """Where the node sits in the fabric: its rack, leaf switch and spine.
+
+    From the agent's config or environment. Pages group nodes by it and the probe planner pairs peers by leaf; a
+    field left out (null) means "not known here", never "no rack": the server keeps what it had."""
+
+    rack: FabricName | None = None
+    switch: FabricName | None = None  # the leaf switch the node's NICs are cabled to
+    spine: FabricName | None = None
+
+
 class Batch(Record):
     v: Literal[1]
     agent_id: Ident
@@ -299,6 +314,7 @@ class Batch(Record):
     # The cluster this producer believes it reports to; a token of another cluster is refused (403) instead of
     # silently mixing two clusters' data.
     cluster: Ident | None = None
+    topology: Topology | None = None  # optional: agents that predate it, and hooks, send none
     gpus: Annotated[list[GpuSample], Len(4096)] = []
     hosts: Annotated[list[HostSample], Len(256)] = []
     ports: Annotated[list[PortSample], Len(1024)] = []
@@ -328,8 +344,8 @@ class HookDatagram(Record):
 
 
 RECORDS: tuple[type[Record], ...] = (
-    GpuSample, NfsMount, HostSample, PortSample, Event, Step, DataLoaderInfo, RunMeta, Probe, RankBeat, Batch,
-    HookDatagram,
+    GpuSample, NfsMount, HostSample, PortSample, Event, Step, DataLoaderInfo, RunMeta, Probe, RankBeat, Topology,
+    Batch, HookDatagram,
 )
 
 

@@ -92,7 +92,10 @@ class Agent:
                 self.last_xid[event["gpu_index"]] = event["code"]
         for reason, n in dropped.items():
             self.drops_total[reason] = self.drops_total.get(reason, 0) + n
-        head = {"v": wire.WIRE_VERSION, "agent_id": self.cfg.agent_id, "host": self.cfg.host, "sent_at": now}
+        head: dict[str, Any] = {"v": wire.WIRE_VERSION, "agent_id": self.cfg.agent_id, "host": self.cfg.host,
+                                "sent_at": now}
+        if self.cfg.topology:  # in every batch: small, and the server writes only a change
+            head["topology"] = dict(self.cfg.topology)
         parts = batches.split(lists) or [{}]
         return [({**head, **{k: v for k, v in part.items() if v}}, dropped if i == 0 else None)
                 for i, part in enumerate(parts)]

@@ -1,5 +1,9 @@
 """The agent's settings: defaults, an optional ``agent.toml``, then command-line flags, checked once at start.
 
+The node's place in the fabric (``[topology]`` rack, switch, spine) may also come from the environment
+(``CLUSTERDX_RACK``, ``CLUSTERDX_SWITCH``, ``CLUSTERDX_SPINE``), which wins over the file: a Slurm prolog or a
+Kubernetes manifest knows the rack better than a config file copied to every node.
+
 Every mistake is reported together, by key, with a suggestion for a misspelt name, and the agent refuses to start:
 a typo that silently left a source on its default is worse than an error at install time.
 """
@@ -11,9 +15,12 @@ import os
 import re
 import socket
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from clusterdx import wire
 
 MIN_INTERVAL_S = 0.1
 
@@ -44,6 +51,8 @@ class AgentConfig:
     metrics_addr: str = "0.0.0.0"
     log_level: str = "info"
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # rack / switch / spine as the wire's Topology record; empty = not known, and the batches carry none.
+    topology: dict[str, str] = field(default_factory=dict)
 
 
 # key -> (low, high) for numbers; anything not here is only type-checked.
@@ -57,6 +66,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "metrics_port": (0, 65_535),
 }
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+_TABLES = ("sources", "topology")  # keys that hold a table, not a value
+TOPOLOGY_ENV = {"rack": "CLUSTERDX_RACK", "switch": "CLUSTERDX_SWITCH", "spine": "CLUSTERDX_SPINE"}
 _IDENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]*")
 
 
@@ -66,7 +77,7 @@ def suggest(name: str, known: list[str] | tuple[str, ...]) -> str:
 
 
 def _option_names() -> list[str]:
-    return [f.name for f in fields(AgentConfig) if f.name != "sources"]
+    return [f.name for f in fields(AgentConfig) if f.name not in _TABLES]
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -79,14 +90,20 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError([f"{path}: not valid TOML: {exc}"]) from exc
 
 
-def build(raw: dict[str, Any], overrides: dict[str, Any], known_sources: tuple[str, ...]) -> AgentConfig:
-    """Merge the file's values and the flags (flags win) into a checked :class:`AgentConfig`."""
+def build(raw: dict[str, Any], overrides: dict[str, Any], known_sources: tuple[str, ...],
+          environ: Mapping[str, str] | None = None) -> AgentConfig:
+    """Merge the file's values and the flags (flags win) into a checked :class:`AgentConfig`.
+
+    ``environ`` (default ``os.environ``) supplies the topology variables."""
     problems: list[str] = []
     cfg = AgentConfig()
-    types = {f.name: type(getattr(cfg, f.name)) for f in fields(AgentConfig) if f.name != "sources"}
+    types = {f.name: type(getattr(cfg, f.name)) for f in fields(AgentConfig) if f.name not in _TABLES}
+    cfg.topology = _topology(raw.get("topology", {}), os.environ if environ is None else environ, problems)
     for key, value in {**raw, **{k: v for k, v in overrides.items() if v is not None}}.items():
         if key == "sources":
             cfg.sources = _sources(value, known_sources, problems)
+        elif key == "topology":
+            continue
         elif key not in types:
             problems.append(f"{key}: unknown option{suggest(key, _option_names())}")
         else:
@@ -127,6 +144,34 @@ def _sources(value: Any, known: tuple[str, ...], problems: list[str]) -> dict[st
             problems.append(f"sources.{name}.enabled: expected true or false, got {table['enabled']!r}")
         else:
             out[name] = dict(table)
+    return out
+
+
+def _topology(table: Any, environ: Mapping[str, str], problems: list[str]) -> dict[str, str]:
+    """``[topology]`` with the environment on top, checked by the wire's own rules (the server would refuse
+    every batch otherwise)."""
+    if not isinstance(table, dict):
+        problems.append('topology: expected a table ([topology] with rack = "...", switch = "...")')
+        return {}
+    merged: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in TOPOLOGY_ENV:
+            problems.append(f"topology.{key}: unknown option{suggest(key, tuple(TOPOLOGY_ENV))}")
+        else:
+            merged[key] = value
+    where = {key: f"topology.{key}" for key in merged}
+    for key, var in TOPOLOGY_ENV.items():
+        value = environ.get(var, "").strip()
+        if value:  # set but empty means "not set": an unset template variable must not erase the file's value
+            merged[key], where[key] = value, var
+    out: dict[str, str] = {}
+    for key, value in merged.items():
+        try:
+            wire.validate(wire.Topology, {key: value})
+        except wire.WireError as exc:
+            problems.append(f"{where[key]}: {exc.message}")
+        else:
+            out[key] = value
     return out
 
 

@@ -27,6 +27,12 @@ def node_name(i: int) -> str:
     return f"node-{i:03d}"
 
 
+def node_place(i: int, nodes_per_rack: int) -> dict[str, str]:
+    """Rack and leaf switch of node ``i``: one top-of-rack leaf per rack, as in most GPU pods."""
+    rack = i // nodes_per_rack
+    return {"rack": f"rack-{rack:02d}", "switch": f"leaf-{rack:02d}"}
+
+
 @dataclass
 class _Gpu:
     sbe: int = 0
@@ -319,7 +325,7 @@ class SimCluster:
             busy = 0.97 if stalled else 0.93  # a hung NCCL kernel spins at 100%: utilisation hides a hang
             batch: dict[str, Any] = {
                 "v": WIRE_VERSION, "agent_id": f"{self.agent_prefix}-{node_name(n)}", "seq": self.seq[n],
-                "host": node_name(n), "sent_at": now,
+                "host": node_name(n), "sent_at": now, "topology": node_place(n, self.s.nodes_per_rack),
                 "gpus": [self._gpu_sample(now, n, i, busy) for i in range(self.s.gpus_per_node)],
                 "hosts": [{"ts": now, "cpu_pct": 35 + self.rng.gauss(0, 3), "load1": 12.0,
                            "mem_used_bytes": 600 * 1024**3, "mem_total_bytes": 2048 * 1024**3,

@@ -6,6 +6,7 @@
     run = "demo-run"
     step_time_s = 0.8         # healthy compute per step
     seed = 1
+    nodes_per_rack = 8        # rack-00 holds node-000 .. node-007, behind leaf switch leaf-00
 
     [[fault]]
     kind = "data_starvation"  # see FAULT_KINDS
@@ -73,6 +74,7 @@ class Scenario:
     step_time_s: float = 0.8
     seed: int = 1
     checkpoint_every: int = 200
+    nodes_per_rack: int = 8
     faults: tuple[Fault, ...] = ()
 
     @property
@@ -80,7 +82,7 @@ class Scenario:
         return self.nodes * self.gpus_per_node
 
 
-_CLUSTER_KEYS = {"nodes", "gpus_per_node", "run", "step_time_s", "seed", "checkpoint_every"}
+_CLUSTER_KEYS = {"nodes", "gpus_per_node", "run", "step_time_s", "seed", "checkpoint_every", "nodes_per_rack"}
 _FAULT_KEYS = {"kind", "at_s", "duration_s", "node", "gpu", "rank", "magnitude"}
 
 
@@ -91,6 +93,8 @@ def parse(data: dict[str, Any], **overrides: Any) -> Scenario:
         raise ScenarioError(f"[cluster] has unknown keys: {', '.join(sorted(unknown))}")
     cluster.update({k: v for k, v in overrides.items() if v is not None})
     scenario = Scenario(**cluster)
+    if type(scenario.nodes_per_rack) is not int or scenario.nodes_per_rack < 1:
+        raise ScenarioError(f"[cluster] nodes_per_rack must be a whole number >= 1, got {scenario.nodes_per_rack!r}")
     faults = []
     for i, raw in enumerate(data.get("fault", [])):
         kind = raw.get("kind")

@@ -72,6 +72,7 @@ class _Inventory:
         self.node_seen: dict[int, float] = {}
         self.run_meta: dict[tuple[int, int], dict[str, Any]] = {}
         self.run_advanced: dict[int, tuple[int, float]] = {}
+        self.places: dict[int, dict[str, str]] = {}  # node id -> the rack/switch last stored from its batches
 
     @staticmethod
     def after_commit(cache: dict[Any, Any] | set[Any], key: Any, value: Any = None) -> None:
@@ -94,6 +95,20 @@ class _Inventory:
         if now - self.node_seen.get(node_id, 0.0) >= LAST_SEEN_EVERY_S:
             m.Node.objects.filter(id=node_id).update(last_seen=when)
             self.node_seen[node_id] = now
+
+    def place_node(self, node_id: int, topology: dict[str, Any] | None) -> None:
+        """Store the node's rack and switch when its agent reports new ones; unchanged costs a dict lookup.
+
+        A field the batch leaves out (null) keeps what the server had: an agent that knows only its rack must not
+        erase a switch set by another source. The spine has no column yet; it travels and is validated."""
+        if topology is None:
+            return
+        place = {k: topology[k] for k in ("rack", "switch") if topology[k] is not None}
+        if not place or self.places.get(node_id) == place:
+            return
+        # The filter skips the write when the row already holds these values (a restarted server, a second worker).
+        m.Node.objects.filter(~Q(**place), id=node_id).update(**place)
+        self.after_commit(self.places, node_id, place)
 
     def note_gpu(self, node_id: int, sample: dict[str, Any]) -> None:
         key = (node_id, sample["index"], sample["uuid"])
@@ -148,6 +163,7 @@ def _store(cluster: m.Cluster, batch: dict[str, Any]) -> Stored:
             raise
         node_id = inventory.node_id(cluster, batch["host"], batch["agent_id"])
         inventory.touch_node(node_id, received)
+        inventory.place_node(node_id, batch["topology"])
         runs = _run_ids(cluster, batch)
         _store_run_meta(cluster, node_id, batch["runs"], runs)
         _store_series(cluster, node_id, batch, runs)

@@ -71,3 +71,20 @@ def test_scenario_files_are_checked() -> None:
         parse({"cluster": {"nodes": 1, "gpus_per_node": 2}, "fault": [{"kind": "straggler", "at_s": 1, "rank": 9}]})
     with pytest.raises(ScenarioError, match="unknown keys"):
         parse({"cluster": {"nodez": 3}})
+
+
+def test_every_batch_places_its_node_in_a_rack_behind_its_leaf() -> None:
+    batches = run({"cluster": {"nodes": 20, "gpus_per_node": 1, "nodes_per_rack": 8}}, seconds=2)
+    places = {b["host"]: wire.validate_batch(b)["topology"] for b in batches}
+    assert len(places) == 20 and len(batches) == 40, "every batch carries it, not only the first"
+    assert places["node-000"] == {"rack": "rack-00", "switch": "leaf-00", "spine": None}
+    assert places["node-007"]["rack"] == "rack-00" and places["node-008"]["rack"] == "rack-01"
+    assert places["node-019"] == {"rack": "rack-02", "switch": "leaf-02", "spine": None}
+    assert {b["topology"]["rack"] for b in run({"cluster": {"nodes": 4, "nodes_per_rack": 2}}, seconds=1)} == {
+        "rack-00", "rack-01"}
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "8"])
+def test_nodes_per_rack_must_be_a_positive_whole_number(bad: object) -> None:
+    with pytest.raises(ScenarioError, match="nodes_per_rack"):
+        parse({"cluster": {"nodes_per_rack": bad}})
