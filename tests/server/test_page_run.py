@@ -148,7 +148,7 @@ def _bulk_run(world: World, name: str, ranks: int, steps: int) -> Run:
 
 
 def _snapshot_bytes(world: World, run: Run) -> tuple[int, dict[str, Any]]:
-    frame = _snapshot.func(world.cluster, run, None)  # the consumer's own snapshot, called in this thread
+    frame = _snapshot.func(world.cluster, run, None, None)  # the consumer's own snapshot, called in this thread
     jsonschema.validate(frame, FRAME_SCHEMA)
     return len(json.dumps(frame)), frame
 
