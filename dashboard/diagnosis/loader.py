@@ -95,6 +95,20 @@ def _node_lut(by_id: dict[int, int]) -> np.ndarray:
     return lut
 
 
+def _known(mat: np.ndarray, objs: list[list[Any]], lut: np.ndarray) -> tuple[np.ndarray, list[list[Any]]]:
+    """Only the rows of nodes in this pass's inventory: a node that ingest created after the inventory was read (a
+    new agent at scale) waits for the next pass instead of failing this one."""
+    if not mat.shape[1]:
+        return mat, objs
+    ids = mat[0].astype(np.int64)
+    ok = ids < len(lut)
+    ok[ok] = lut[ids[ok]] >= 0
+    if ok.all():
+        return mat, objs
+    keep = np.nonzero(ok)[0]
+    return mat[:, ok], [[col[i] for i in keep] for col in objs]
+
+
 def _table(mat: np.ndarray, objs: list[list[Any]], num: tuple[str, ...], obj: tuple[str, ...], lut: np.ndarray,
            text: tuple[str, ...] = ()) -> Table:
     """``mat`` rows in ``num`` order, the first one a node id (mapped to the node's index); the ``obj`` columns are
@@ -128,19 +142,22 @@ def load_window(cluster: m.Cluster, now: float) -> Window:
 
 def _gpus(cluster_id: int, now: float, lut: np.ndarray) -> Table:
     where, params = _since(cluster_id, now, SPANS["gpus"])
-    mat, objs = _read(m.GpuSample, ["node_id", "gpu_index", _epoch(), *GPU_NUM[3:]], list(GPU_OBJ), where, params)
+    mat, objs = _known(*_read(m.GpuSample, ["node_id", "gpu_index", _epoch(), *GPU_NUM[3:]], list(GPU_OBJ), where,
+                              params), lut)
     return _table(mat, objs, GPU_NUM, GPU_OBJ, lut)
 
 
 def _ports(cluster_id: int, now: float, lut: np.ndarray) -> Table:
     where, params = _since(cluster_id, now, SPANS["ports"])
-    mat, objs = _read(m.PortSample, ["node_id", _epoch(), "port", "rate_gbps"], list(PORT_OBJ), where, params)
+    mat, objs = _known(*_read(m.PortSample, ["node_id", _epoch(), "port", "rate_gbps"], list(PORT_OBJ), where, params),
+                       lut)
     return _table(mat, objs, PORT_NUM, PORT_OBJ, lut, text=("device", "state"))
 
 
 def _probes(cluster_id: int, now: float, lut: np.ndarray, hostnames: list[str], index: dict[str, int]) -> Table:
     where, params = _since(cluster_id, now, SPANS["probes"])
-    mat, (peer,) = _read(m.Probe, ["node_id", _epoch(), "sent", "lost", "rtt_ms", "bw_gbps"], ["peer"], where, params)
+    mat, (peer,) = _known(*_read(m.Probe, ["node_id", _epoch(), "sent", "lost", "rtt_ms", "bw_gbps"], ["peer"], where,
+                                 params), lut)
     names = sorted(set(peer))
     for name in names:
         if name not in index:  # a peer without an agent (an address, or a host we have not heard from)
@@ -160,6 +177,8 @@ def _hosts(cluster_id: int, now: float, by_id: dict[int, int], hostnames: list[s
     where, params = _since(cluster_id, now, SPANS["hosts"])
     out: dict[str, dict[str, Any]] = {}
     for node_id, ts, cpu, nfs in _rows(m.HostSample, ["node_id", _epoch(), "cpu_pct", "nfs"], where, params):
+        if node_id not in by_id:  # created after this pass read the inventory (see _known)
+            continue
         host = hostnames[by_id[node_id]]
         if host not in out or ts > out[host]["ts"]:
             out[host] = {"ts": ts, "cpu_pct": cpu, "nfs": nfs}

@@ -120,3 +120,33 @@ def test_a_pass_reads_a_bounded_window(world: World, django_assert_max_num_queri
         res = run_pass(world.cluster, feed.t0 + feed.t)
     assert res.detections == []
     assert res.timings_s["total"] < 5
+
+
+def test_a_node_created_while_the_pass_reads_waits_for_the_next_pass(world: World, monkeypatch: Any) -> None:
+    """At scale a new agent's first batch can commit between the pass's inventory read and its sample reads (seen at
+    128 nodes as a KeyError in the loader): that pass skips the newcomer, the next one sees it."""
+    from dashboard.diagnosis import loader
+    from tests.server.conftest import make_batch
+
+    feed = Feed(world, [], nodes=4, gpus=2)
+    feed.run(3, passes=False)
+    now = feed.t0 + feed.t
+    original, joined = loader._gpus, []
+
+    def late_agent(cluster_id: int, at: float, lut: Any) -> Any:
+        if not joined:
+            ts = now - 1
+            batch = make_batch(host="node-late", steps=[], hosts=[{"ts": ts, "cpu_pct": 5.0}],
+                               probes=[{"ts": ts, "peer": "node-000", "sent": 5, "lost": 0, "rtt_ms": 0.1}],
+                               ports=[{"ts": ts, "device": "mlx5_0", "port": 1, "state": "ACTIVE"}])
+            for g in batch["gpus"]:
+                g["ts"] = ts
+            store_batch(world.cluster, wire.validate_batch(batch))
+            joined.append(True)
+        return original(cluster_id, at, lut)
+
+    monkeypatch.setattr(loader, "_gpus", late_agent)
+    first = loader.load_window(world.cluster, now)
+    assert joined and "node-late" not in first.nodes and len(first.gpus)
+    second = loader.load_window(world.cluster, now)
+    assert "node-late" in second.nodes and "node-late" in second.hosts
