@@ -3,7 +3,16 @@
 The log is synthesised the way a 16-node x 8-GPU job with NCCL_DEBUG=INFO writes it: every rank's init, ring and
 tree channels over P2P and IB, interleaved, with application lines and a few WARNs mixed in.
 
-    python benchmarks/doctor.py [--mb 200] [--file existing.log]
+``--hostile job|ib`` measures a hostile upload instead: lines shaped to make a backtracking regex rescan them
+(runs of spaces, dots, digits, repeated "Got completion" / "WorkNCCL(" / " via "), 4 KB and 64 KB long, followed by
+a real log. ``--tree DIR`` imports the doctor from another checkout, e.g. the code before a change::
+
+    mkdir /tmp/old && git archive HEAD collectors | tar -x -C /tmp/old
+    python benchmarks/doctor.py --hostile job --mb 20 --tree /tmp/old --budget-s 60
+
+A run that exceeds ``--budget-s`` stops and reports the rate over what it had read (an upper bound).
+
+    python benchmarks/doctor.py [--mb 200] [--file existing.log] [--hostile job|ib] [--tree DIR]
 """
 
 from __future__ import annotations
@@ -16,9 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+if "--tree" in sys.argv:  # before the import below: the doctor is then the other checkout's
+    REPO = Path(sys.argv[sys.argv.index("--tree") + 1]).resolve()
+sys.path.insert(0, str(REPO))
 
-from collectors.doctor import diagnose
+from collectors.doctor import diagnose  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "logs"
 
 
 def _rank_lines(node: int, gpu: int, rng: random.Random) -> list[str]:
@@ -70,10 +84,57 @@ def write_log(path: Path, megabytes: int, seed: int = 7) -> int:
     return written
 
 
+def _hostile_lines(kind: str, width: int) -> list[str]:
+    n = width - 60
+    sp = " " * n
+    if kind == "ib":
+        return ["a" + sp + "x", "Rate: a" + sp + "x", "State: a" + sp + "x", "SymbolErrorCounter:" + "." * n + " x",
+                "active_speed: " + "1" * n, "active_width: " + "1" * n,
+                "zz9/ports/1/counters/symbol_error: a" + sp + "x"]
+    head = "kp-ddp-worker-0:3468:3905 [4] NCCL "
+    return [head + "INFO Using network a" + sp + "x", head + "WARN " + "Got completion with error 1 " * (n // 28),
+            head + "INFO Channel 00" + " via" * (n // 4) + " x", head + "INFO Channel 00 via a" + sp + "x",
+            "Watchdog " + "WorkNCCL(OpType=A " * (n // 18), "NCCL version 1." * (n // 15), "\x1b]" * (n // 2)]
+
+
+def write_hostile(path: Path, kind: str, megabytes: int) -> int:
+    # Half the bytes in 4 KB lines (the longest a parser sees after the cut: the most regex work per byte).
+    block = "\n".join(_hostile_lines(kind, 4000) * 16 + _hostile_lines(kind, 65536)) + "\n"
+    fixture = (FIXTURES / ("ib_ibstat_polling.log" if kind == "ib" else "nccl_ib_status12_plugin.log")).read_text()
+    with path.open("w") as fh:
+        for _ in range(max(1, megabytes * 1_000_000 // len(block))):
+            fh.write(block)
+        fh.write(fixture)
+    return path.stat().st_size
+
+
+class _OverBudget(Exception):
+    pass
+
+
+class _Budgeted:
+    """A file read in 64 KB pieces that stops the run once ``budget_s`` has passed (checked between pieces)."""
+
+    def __init__(self, path: Path, budget_s: float) -> None:
+        self.fh = path.open("rb")
+        self.deadline = time.perf_counter() + budget_s
+        self.read_bytes = 0
+
+    def read(self, n: int = -1) -> bytes:
+        if time.perf_counter() > self.deadline:
+            raise _OverBudget
+        data = self.fh.read(min(n if n > 0 else 1 << 16, 1 << 16))
+        self.read_bytes += len(data)
+        return data
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=200, help="size of the synthetic log")
     ap.add_argument("--file", type=Path, help="measure this log instead of a synthetic one")
+    ap.add_argument("--hostile", choices=("job", "ib"), help="a hostile upload instead of a real-looking log")
+    ap.add_argument("--tree", type=Path, help="import the doctor from this checkout (the code before a change)")
+    ap.add_argument("--budget-s", type=float, default=600.0, help="stop a run that takes longer than this")
     args = ap.parse_args()
     tmp = None
     if args.file:
@@ -82,16 +143,30 @@ def main() -> int:
         fd, name = tempfile.mkstemp(prefix="doctor-bench-", suffix=".log")
         os.close(fd)
         tmp = path = Path(name)
-        write_log(path, args.mb)
+        if args.hostile:
+            write_hostile(path, args.hostile, args.mb)
+        else:
+            write_log(path, args.mb)
     size = path.stat().st_size
+    source = _Budgeted(path, args.budget_s)
+    report = None
     try:
         wall0, cpu0 = time.perf_counter(), time.process_time()
-        report = diagnose([path])
+        try:
+            report = diagnose([source], kind="ib" if args.hostile == "ib" else None)  # type: ignore[list-item]
+        except _OverBudget:
+            size = source.read_bytes
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     finally:
+        source.fh.close()
         if tmp is not None:
             os.unlink(path)
     mb = size / 1e6
+    print(f"code: {REPO}")
+    if report is None:
+        print(f"stopped after {args.budget_s:g} s with {mb:.2f} MB read: at most {mb / wall:.3f} MB/s wall, "
+              f"{mb / cpu:.3f} MB/s per core")
+        return 0
     print(f"log: {mb:.1f} MB, {report.lines} lines, kind={report.kind}, unparsed={report.unparsed_lines}")
     print(f"wall {wall:.2f} s, cpu {cpu:.2f} s -> {mb / wall:.1f} MB/s wall, {mb / cpu:.1f} MB/s per core (goal 50)")
     print(f"verdict: {report.verdict[:160]}")

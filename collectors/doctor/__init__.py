@@ -18,7 +18,7 @@ from collectors.doctor.kmsg import XidFacts
 from collectors.doctor.nccl import NcclFacts, NcclStreamParser, parse_record
 from collectors.doctor.report import HEALTHY, Finding, Report
 from collectors.doctor.smi import SmiFacts
-from collectors.doctor.text import Source, clean_line, iter_source_lines
+from collectors.doctor.text import MAX_LINE, Source, clean_line, iter_source_lines
 from collectors.doctor.torchdist import TorchFacts
 
 __all__ = ["KINDS", "NcclStreamParser", "Report", "detect_kind", "diagnose"]
@@ -100,8 +100,9 @@ def _heads(sources: list[Source]) -> tuple[list[list[str]], list[Iterator[str]]]
 
 
 def _wrap_width(lines: Iterable[str]) -> int | None:
-    """A terminal's hard-wrap width: many lines exactly W long and none longer. None when the text is not wrapped."""
-    lengths = Counter(len(line) for line in lines if line)
+    """A terminal's hard-wrap width: many lines exactly W long and none longer. None when the text is not wrapped.
+    Lines cut at MAX_LINE are not a terminal's doing and are left out."""
+    lengths = Counter(len(line) for line in lines if line and len(line) < MAX_LINE)
     if not lengths:
         return None
     longest = max(lengths)
@@ -116,13 +117,17 @@ _RECORD_STARTS = ("Traceback", "[rank", "[E", "[W", "[I", "NCCL version", "  Fil
 
 
 def _unwrap(lines: Iterable[str], width: int) -> Iterator[str]:
-    """Join a line cut at ``width`` with its continuation (a line that does not start a record of its own)."""
+    """Join a line cut at ``width`` with its continuation (a line that does not start a record of its own).
+
+    A joined line stops growing at MAX_LINE: text made only of full-width lines would otherwise become one line of
+    the whole upload. Later continuations are still swallowed (they belong to the record), just not kept."""
     prev: str | None = None
     seg = 0
     for line in lines:
         if prev is not None and seg == width and line and not line.startswith(_RECORD_STARTS) \
                 and parse_record(line) is None:
-            prev += line
+            if len(prev) < MAX_LINE:
+                prev += line[: MAX_LINE - len(prev)]
             seg = len(line)
             continue
         if prev is not None:

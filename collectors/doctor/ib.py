@@ -21,30 +21,50 @@ _PHYS = {"LINK_UP": "LinkUp", "POLLING": "Polling", "DISABLED": "Disabled", "SLE
          "LINK_ERROR_RECOVERY": "LinkErrorRecovery", "PORT_CONFIGURATION_TRAINING": "PortConfigurationTraining",
          "PHY_TEST": "PhyTest"}
 
+# No pattern here may rescan a run from each of its characters (quadratic on a 4 KB line of spaces, dots or digits):
+# keys and values are split with str methods, and unanchored searches start only at the beginning of a run.
 _CA_RE = re.compile(r"^CA '(?P<dev>[^']+)'")
 _HCA_RE = re.compile(r"^hca_id:\s*(?P<dev>\S+)")
 _PORT_RE = re.compile(r"^\s*(?:Port (?P<a>\d+):|port:\s*(?P<b>\d+))\s*$")
-_KV_RE = re.compile(r"^\s*(?P<k>[A-Za-z][\w ]*?)\s*:\s*(?P<v>.*?)\s*$")
+_KEY_RE = re.compile(r"[A-Za-z][\w ]*")
 _PERF_HEAD_RE = re.compile(r"^# Port (?:extended )?counters: Lid (?P<lid>\d+) port (?P<port>\d+)")
-_PERF_RE = re.compile(r"^(?P<k>\w+):\.+(?P<v>\S+)\s*$")
+# "k:....v": the value may not start with a dot (else "\.+" and "\S+" split a run of dots every possible way).
+_PERF_RE = re.compile(r"^(?P<k>\w+):\.+(?P<v>[^\s.]\S*|\.)\s*$")
 _QERR_HEAD_RE = re.compile(r"^Errors for (?:0x[0-9a-fA-F]+ )?\"(?P<dev>[^\"]*)\"")
 _QERR_PORT_RE = re.compile(r"GUID (?P<guid>0x[0-9a-fA-F]+) port (?P<port>\d+):(?P<rest>.*)")
 _QERR_CTR_RE = re.compile(r"\[(?P<k>\w+) == (?P<v>\d+)\]")
 _SYSFS_RE = re.compile(r"(?:/sys/class/infiniband/)?(?P<dev>[\w.-]{1,64})/ports/(?P<port>\d+)/"
-                       r"(?:(?:hw_)?counters/)?(?P<k>\w+)\s*:\s*(?P<v>.*?)\s*$")
-_SPEED_RE = re.compile(r"([\d.]+)\s*Gbps")
-_WIDTH_RE = re.compile(r"(\d+)X")
+                       r"(?:(?:hw_)?counters/)?(?P<k>\w+)\s*:(?P<v>.*)")
+_SPEED_RE = re.compile(r"(?<![\d.])([\d.]+)\s*Gbps")
+_WIDTH_RE = re.compile(r"(?<!\d)(\d+)X")
+_CODE_RE = re.compile(r"\(\d+\)$")
+
+
+def _kv(line: str) -> tuple[str, str] | None:
+    """("Key", "value") for "  Key : value", the key a letter then word characters and spaces; else None."""
+    key, sep, value = line.partition(":")
+    key = key.strip()
+    if not sep or not _KEY_RE.fullmatch(key):
+        return None
+    return key, value.strip()
+
+
+def _strip_code(text: str) -> str:
+    """"Active (4)" -> "Active"."""
+    text = text.strip()
+    m = _CODE_RE.search(text) if text.endswith(")") else None
+    return text[: m.start()].rstrip() if m else text
 
 
 def _state(text: str) -> str:
-    text = re.sub(r"\s*\(\d+\)$", "", text.strip())
+    text = _strip_code(text)
     text = re.sub(r"^\d+:\s*", "", text)
     text = text.removeprefix("PORT_")
     return text.capitalize() if text.isupper() else text
 
 
 def _phys(text: str) -> str:
-    text = re.sub(r"\s*\(\d+\)$", "", text.strip())
+    text = _strip_code(text)
     text = re.sub(r"^\d+:\s*", "", text)
     return _PHYS.get(text, text)
 
@@ -90,10 +110,10 @@ class IbFacts:
         return True
 
     def _kv(self, line: str) -> bool:
-        m = _KV_RE.match(line)
-        if not m or self._port is None:
-            return bool(m) and self._dev is not None
-        key, value, port = m["k"].strip().lower(), m["v"], self._port
+        kv = _kv(line)
+        if kv is None or self._port is None:
+            return kv is not None and self._dev is not None
+        key, value, port = kv[0].lower(), kv[1], self._port
         if key == "state":
             port["state"] = _state(value)
         elif key in ("physical state", "phys_state"):
@@ -153,7 +173,7 @@ class IbFacts:
         port = self._get(m["dev"], int(m["port"]))
         if port is None:
             return True
-        key, value = m["k"], m["v"]
+        key, value = m["k"], m["v"].strip()
         if key == "state":
             port["state"] = _state(value)
         elif key == "phys_state":

@@ -28,13 +28,15 @@ _NRANKS_RE = re.compile(r"\bnranks (\d+)")
 _RANK_RE = re.compile(r"\brank (\d+) nranks")
 _COMM_RE = re.compile(r"\bcomm (0x[0-9a-fA-F]+)")
 _ENV_RE = re.compile(r"^(?P<name>NCCL_\w+|CUDA_\w+) set by environment to (?P<value>.*?)\.?$")
-_NETWORK_RE = re.compile(r"^Using (?:internal )?[Nn]etwork (?P<net>.+?)\s*$")
-_VIA_RE = re.compile(r" via (?P<via>.+?)\s*$")
+# Trailing blanks are cut with str.rstrip, not "(.+?)\s*$": the lazy form rescans the blanks at every step
+# (quadratic in a run of spaces).
+_NETWORK_RE = re.compile(r"^Using (?:internal )?[Nn]etwork (?P<net>.+)")
 _ERRRET_RE = re.compile(r"^[\w./+-]+:\d+ -> (?P<code>\d+)")
 # "Got completion from peer 10.0.0.2<49392> with error 12, opcode 0, len 0, vendor err 129 (Recv)" (<=2.18) and
 # "... with status=12 opcode=1 len=0 vendor err 129 (Send) localGid ..." (>=2.19); "from peer" is absent before 2.12.
+# The gap before "vendor err" is bounded: ".*?" would scan to the end of the line from every "Got completion".
 _IBWC_RE = re.compile(r"Got completion (?:from peer (?P<peer>\S+) )?with (?:error |status=)(?P<status>\d+)"
-                      r".*?vendor err (?P<vendor>\d+)")
+                      r".{0,200}?vendor err (?P<vendor>\d+)")
 
 # ibv_wc_status, from the verbs API: what an IB completion error number means.
 IB_WC_STATUS = {
@@ -62,7 +64,11 @@ class NcclRecord:
     line: str  # the cleaned line from the host on (what the person would quote)
 
 
+# Prefixes repeat (one per host, pid and device), so their parse is cached. Only short ones: a long prefix is junk
+# or unique, and caching it would let one upload pin gigabytes. Shared by every thread; dict ops are atomic.
 _head_cache: dict[str, tuple[str, int, int] | None] = {}
+_HEAD_CACHE_MAX = 4096
+_HEAD_CACHE_KEY = 256
 
 
 def _head(pre: str) -> tuple[str, int, int] | None:
@@ -78,10 +84,16 @@ def _head(pre: str) -> tuple[str, int, int] | None:
         if _TZ_GLUE_RE.search(pre, 0, start) and host[:2].isdigit() and host[2:3].isalpha():
             host, start = host[2:], start + 2
         out = (host, int(m["dev"]), start)
-    if len(_head_cache) > 20000:
-        _head_cache.clear()
-    _head_cache[pre] = out
+    if len(pre) <= _HEAD_CACHE_KEY:
+        if len(_head_cache) >= _HEAD_CACHE_MAX:
+            _head_cache.clear()
+        _head_cache[pre] = out
     return out
+
+
+def _value(text: str) -> str:
+    """What "(.+?)\\s*$" captures from ``text``, in linear time: without trailing blanks, at least one character."""
+    return text.rstrip() or text[:1]
 
 
 def split_record(line: str) -> tuple[str | None, int | None, str, int, int] | None:
@@ -143,7 +155,7 @@ def transport_of(via: str) -> tuple[str, bool | None]:
         name = normalize_transport(via)
         gdr = ("GDRDMA" in via) if via.startswith("NET/") else None
         hit = (name, gdr)
-        if len(_transport_cache) < 4096:
+        if len(_transport_cache) < 4096 and len(via) <= 256:
             _transport_cache[via] = hit
     return hit
 
@@ -171,6 +183,7 @@ class NcclFacts:
     """Facts of a whole NCCL log. ``feed`` returns True when the line was NCCL's (parsed, even if uninteresting)."""
 
     MAX_WARNINGS = 1000
+    MAX_KEYS = 4096  # hosts, transports, env names, error codes: more are junk, and must not grow without end
 
     def __init__(self) -> None:
         self.version: str | None = None
@@ -200,7 +213,7 @@ class NcclFacts:
         if level == "VERSION":
             self.version = self.version or _VERSION_RE.search(line)["v"]  # type: ignore[index]
             return True
-        if host is not None and host not in self.hosts:
+        if host is not None and host not in self.hosts and len(self.hosts) < self.MAX_KEYS:
             self.hosts[host] = None
         if level == "WARN":
             self._warn(line[start:], line[at:])
@@ -216,7 +229,7 @@ class NcclFacts:
         via = via.rstrip()
         if via:
             name, gdr = transport_of(via)
-            if name not in self.transports:
+            if name not in self.transports and len(self.transports) < self.MAX_KEYS:
                 self.transports[name] = None
             if gdr is True:
                 self.gdr_used = True
@@ -228,7 +241,7 @@ class NcclFacts:
         if c == "U" and msg.startswith("Using"):
             m = _NETWORK_RE.match(msg)
             if m:
-                self.network = m["net"]
+                self.network = _value(m["net"])
         elif " set by environment to " in msg:
             self._env(msg)
         elif "nranks " in msg:
@@ -239,7 +252,8 @@ class NcclFacts:
             m = _ERRRET_RE.match(msg)
             if m and m["code"] != "0":
                 code = int(m["code"])
-                self.error_codes[code] = self.error_codes.get(code, 0) + 1
+                if code in self.error_codes or len(self.error_codes) < self.MAX_KEYS:
+                    self.error_codes[code] = self.error_codes.get(code, 0) + 1
                 self.failed = True
         elif c == "N" and msg.startswith("NCCL version"):
             m = _VERSION_RE.match(msg)
@@ -264,8 +278,10 @@ class NcclFacts:
         if not m:
             return
         name, value = m["name"], m["value"]
+        if name not in self.env and len(self.env) >= self.MAX_KEYS:
+            return
         old = self.env.setdefault(name, value)
-        if old != value:
+        if old != value and len(self.env_drift.get(name, ())) < 16:
             self.env_drift.setdefault(name, {old}).add(value)
 
     def _warn(self, text: str, msg: str) -> None:
@@ -353,11 +369,12 @@ class NcclStreamParser:
 
     def _info_event(self, rec: NcclRecord) -> list[dict[str, Any]]:
         msg, host = rec.msg, rec.host or ""
-        if " via " in msg:
-            m = _VIA_RE.search(msg)
-            if not m:
+        at = msg.find(" via ")
+        if at >= 0:
+            via = _value(msg[at + 5:])
+            if not via:
                 return []
-            name, gdr = transport_of(m["via"])
+            name, gdr = transport_of(via)
             data = {"fact": "transport", "transport": name}
             if gdr is not None:
                 data["gdr"] = "true" if gdr else "false"
@@ -366,7 +383,7 @@ class NcclStreamParser:
         if msg.startswith("Using"):
             m = _NETWORK_RE.match(msg)
             if m:
-                net = m["net"]
+                net = _value(m["net"])
                 severity = "warning" if net == "Socket" else "info"
                 return self._once(("network", host, net), severity, rec, {"fact": "network", "network": net})
         if " set by environment to " in msg:

@@ -16,6 +16,8 @@ from collectors.doctor.report import Finding
 _GPU_RE = re.compile(r"^GPU ([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])\s*$")
 _MAX_GPUS = 1024
 _MAX_XML_LINES = 500_000
+# nvidia-smi nests 4-5 levels; anything deeper is junk, and reading it recursively would raise RecursionError.
+_MAX_DEPTH = 32
 # XML reason tags -> the names the text form prints, so both forms give the same list.
 _REASON_NAMES = {
     "gpu_idle": "Idle", "applications_clocks_setting": "Applications Clocks Setting", "sw_power_cap": "SW Power Cap",
@@ -27,7 +29,7 @@ _REASON_NAMES = {
 
 def _value(text: str) -> Any:
     text = text.strip()
-    return int(text) if text.isdigit() else text
+    return int(text) if text.isdecimal() else text  # isdigit() admits "²", which int() refuses
 
 
 class SmiFacts:
@@ -37,6 +39,7 @@ class SmiFacts:
         self._xml: ET.XMLPullParser | None = None
         self._xml_lines = 0
         self._xml_broken = False
+        self._xml_depth = 0
         self._open_gpu: ET.Element | None = None  # a <gpu> cut off by a truncated paste
 
     # -- feeding ----------------------------------------------------------------------------------------------
@@ -72,7 +75,7 @@ class SmiFacts:
             key, sep, val = body[:-2], ":", ""
         if sep:
             node.setdefault(key.strip(), _value(val))
-        else:
+        elif len(self._stack) <= _MAX_DEPTH:
             child: dict[str, Any] = {}
             node.setdefault(body, child)
             self._stack.append((indent, child))
@@ -96,6 +99,10 @@ class SmiFacts:
         try:
             self._xml.feed(line + "\n")
             for event, elem in self._xml.read_events():
+                self._xml_depth += 1 if event == "start" else -1
+                if self._xml_depth > _MAX_DEPTH:
+                    self._xml_broken = True
+                    return False
                 if elem.tag == "gpu" and event == "start":
                     self._open_gpu = elem
                 elif elem.tag == "gpu":
@@ -165,11 +172,13 @@ def _active(reasons: dict[str, Any]) -> list[str]:
 
 
 # -- XML form ------------------------------------------------------------------------------------------------------
-def _xml_tree(elem: ET.Element) -> Any:
+def _xml_tree(elem: ET.Element, depth: int = 0) -> Any:
     children = list(elem)
     if not children:
         return _value(elem.text or "")
-    return {child.tag: _xml_tree(child) for child in children}
+    if depth >= _MAX_DEPTH:
+        return {}
+    return {child.tag: _xml_tree(child, depth + 1) for child in children}
 
 
 def _xml_gpu(elem: ET.Element) -> dict[str, Any]:

@@ -18,7 +18,10 @@ _MARKERS = ("Watchdog", "watchdog", "ProcessGroupNCCL", "NCCL error", "DistBacke
             "ncclUnhandledCudaError", "ncclRemoteError", "ncclInvalidUsage", "ncclInvalidArgument", "Last error",
             "CUDA out of memory", "OutOfMemoryError", "torch.distributed", "store_based_barrier", "Socket Timeout",
             "Rank ", "[rank")
-_WORK_RE = re.compile(r"WorkNCCL\((?:SeqNum=(?P<seq>\d+), )?OpType=(?P<op>\w+)[^)]*?(?:Timeout\(ms\)=(?P<to>\d+))?\)")
+# "WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000)". Only the head is a regex: the
+# old "[^)]*?(?:Timeout...)?\)" tail rescanned to the next ")" from every "WorkNCCL(" (quadratic when repeated).
+_WORK_RE = re.compile(r"WorkNCCL\((?:SeqNum=(?P<seq>\d+), )?OpType=(?P<op>\w+)")
+_WORK_TIMEOUT_RE = re.compile(r"Timeout\(ms\)=(\d+)\)")
 _RANK_RES = (re.compile(r"\bRank (\d+)\]"), re.compile(r"\[rank(\d+)\]:"), re.compile(r"\bon rank:? (\d+)"),
              re.compile(r"^\s*rank\s+:\s*(\d+)"))
 _TABLE_HOST_RE = re.compile(r"^\s*host\s+:\s*(\S+)")
@@ -31,6 +34,22 @@ _EXIT_RE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _STORE = ("DistStoreError", "store_based_barrier", "waiting for clients", "Socket Timeout", "wait timeout after",
           "client socket has timed out", "TCPStore", "rendezvous")
 _HEARTBEAT = ("Heartbeat monitor timed out", "watchdog got stuck", "heartbeat monitor", "Heartbeat monitor")
+# Rank numbers come from the text: a bigger job than this is a forged or corrupt log, not a reason to build
+# range(world_size) (a 2-line paste saying "nranks 99999999999" once froze the doctor) or to keep every number seen.
+MAX_RANKS = 1 << 16
+
+
+def _work(line: str) -> tuple[str, str | None, str | None] | None:
+    """(op, seq, timeout ms) of the first "WorkNCCL(...)" that is closed; the timeout only when it ends the args."""
+    m = _WORK_RE.search(line)
+    if not m:
+        return None
+    close = line.find(")", m.end())
+    if close < 0:
+        return None  # no later "WorkNCCL(" can be closed either
+    # "Timeout(ms)" holds the first ")" after the head when it is the last argument.
+    t = _WORK_TIMEOUT_RE.match(line, close - 10) if close - 10 >= m.end() else None
+    return m["op"], m["seq"], t.group(1) if t else None
 
 
 class TorchFacts:
@@ -87,28 +106,35 @@ class TorchFacts:
 
     def _details(self, line: str, is_error: bool) -> None:
         if "WorkNCCL(" in line:
-            m = _WORK_RE.search(line)
-            if m:
-                self.collective = self.collective or m["op"]
-                if m["to"]:
-                    self.timeout_ms = self.timeout_ms or int(m["to"])
-                if m["seq"]:
-                    seq = int(m["seq"])
+            work = _work(line)
+            if work:
+                op, seq_text, timeout = work
+                self.collective = self.collective or op
+                if timeout:
+                    self.timeout_ms = self.timeout_ms or int(timeout)
+                if seq_text:
+                    seq = int(seq_text)
                     self.seq_num = self.seq_num if self.seq_num is not None else seq
                     self._rank_seq(line, seq)
         if is_error:
             for rx in _RANK_RES[:3]:
                 for r in rx.findall(line):
-                    self.ranks.add(int(r))
+                    self._rank(int(r))
             if "NCCL error" in line or "nccl" in line:
                 self._nccl_error(line)
             if self.timeout_ms is None and ("imeout" in line or "imed out" in line):
                 self._store_timeout(line)
 
+    def _rank(self, rank: int) -> None:
+        if len(self.ranks) < MAX_RANKS:
+            self.ranks.add(rank)
+
     def _rank_seq(self, line: str, seq: int) -> None:
         m = _RANK_RES[0].search(line) or _RANK_RES[1].search(line)
-        if m:
-            self.seq_nums.setdefault(seq, set()).add(int(m.group(1)))
+        if m and (seq in self.seq_nums or len(self.seq_nums) < 64):
+            ranks = self.seq_nums.setdefault(seq, set())
+            if len(ranks) < MAX_RANKS:
+                ranks.add(int(m.group(1)))
 
     def _nccl_error(self, line: str) -> None:
         m = _NCCL_ERR_RE.search(line)
@@ -140,7 +166,7 @@ class TorchFacts:
             return True
         m = _RANK_RES[3].match(line)
         if m:
-            self.ranks.add(int(m.group(1)))
+            self._rank(int(m.group(1)))
             return True
         m = _EXIT_RE.search(line)
         if m:
@@ -212,7 +238,7 @@ class TorchFacts:
         cause = f"{op}{seq} timed out{after}: at least one rank never joined it"
         if len(self.seq_nums) > 1:
             cause += f"; ranks were at different collectives (SeqNums {', '.join(map(str, sorted(self.seq_nums)))})"
-        if world_size and self.ranks:
+        if world_size and self.ranks and world_size <= MAX_RANKS:
             missing = sorted(set(range(world_size)) - self.ranks)
             if missing and len(missing) <= 16:
                 cause += f"; ranks that did not report: {', '.join(map(str, missing))}"

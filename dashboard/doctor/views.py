@@ -1,12 +1,15 @@
 """The log doctor page: paste or upload a log, read the same report `clusterdx doctor` prints.
 
-The upload is streamed straight into the parsers (no copy on disk); its size is checked first so a pasted
-multi-gigabyte log gets a clear message instead of tying up a worker.
+The upload is streamed straight into the parsers; its size is checked first so a pasted multi-gigabyte log gets a
+clear message instead of tying up a worker. The parsers cut every line to a few KB and run in linear time, so the
+largest accepted upload costs well under a second of CPU whatever it holds.
 """
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
@@ -25,6 +28,17 @@ def doctor(request: HttpRequest) -> HttpResponse:
 
 
 def _diagnose(request: HttpRequest) -> dict[str, object]:
+    try:
+        return _diagnose_form(request)
+    except RequestDataTooBig:
+        # Django refuses form fields (the pasted text) over DATA_UPLOAD_MAX_MEMORY_SIZE; files are not counted.
+        limit_mb = (settings.DATA_UPLOAD_MAX_MEMORY_SIZE or 0) / 2**20
+        return {"error": f"The pasted text is over {limit_mb:g} MB, the most the page takes as text. Upload it as a "
+                         f"file (up to {MAX_UPLOAD_BYTES // 2**20} MB) or run `clusterdx doctor FILE`.",
+                "too_big": True}
+
+
+def _diagnose_form(request: HttpRequest) -> dict[str, object]:
     kind = request.POST.get("kind") or None
     if kind is not None and kind not in KINDS:
         return {"error": f"Unknown kind {kind!r}."}

@@ -60,3 +60,17 @@ def test_a_too_big_upload_gets_a_clear_message(signed_in, monkeypatch):
 def test_an_empty_form_asks_for_input(signed_in):
     response = signed_in.post("/doctor/", {"text": ""})
     assert response.status_code == 400 and "Paste a log" in response.content.decode()
+
+
+def test_pasted_text_over_djangos_form_limit_gets_a_clear_message(signed_in, settings):
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1024
+    response = signed_in.post("/doctor/", {"text": "x" * 4096})
+    assert response.status_code == 413
+    assert "Upload it as a file" in response.content.decode()
+
+
+def test_a_hostile_upload_gets_a_verdict(signed_in):
+    line = "h:1:2 [0] NCCL INFO Using network a" + " " * 60000 + "x\n"  # quadratic in the old regex
+    upload = SimpleUploadedFile("hostile.log", (line * 64).encode())
+    response = signed_in.post("/doctor/", {"file": upload})
+    assert response.status_code == 200 and "Verdict" in response.content.decode()
