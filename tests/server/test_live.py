@@ -137,5 +137,11 @@ def test_a_reload_keeps_the_events_and_a_node_stream_carries_only_that_node(
         snap = recv_json(ws)
         assert set(snap) == {"type", "seq", "columns", "findings"}
         assert ingest(asgi_server, world.token, make_batch(seq=3, host="node-001")).status_code == 200
-        with pytest.raises(TimeoutError):  # GPU deltas are not for this client
-            recv_json(ws, timeout=1.5)
+        kinds: set[str] = set()
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # findings may come (the embedded diagnosis runs); GPU deltas may not
+            try:
+                kinds |= set(recv_json(ws, timeout=max(0.05, deadline - time.monotonic()))) - {"type", "seq"}
+            except TimeoutError:
+                break
+        assert kinds <= {"findings"}, kinds
