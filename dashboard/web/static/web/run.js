@@ -13,6 +13,7 @@ const PER_RANK_STEPS = 20;
 
 const agg = new Map();       // step -> {n, ts, st, stmax, dw, cp, cm, tok, seen: Set | null}
 const perRank = new Map();   // step -> Map(rank -> STEP_ROW), only for runs the per-rank bars are drawn for
+const STALE_S = 15;           // the server's default heartbeat timeout
 const gpus = new Map();      // "host|gpu" -> GPU_ROW, this run's nodes only
 const events = [];
 let findings = [];
@@ -217,8 +218,16 @@ function drawGpus() {
   const width = Math.max(1, ...rows.map((r) => r[1] + 1));
   const z = hosts.map(() => Array(width).fill(null));
   const hi = new Map(hosts.map((h, i) => [h, i]));
-  for (const r of rows) z[hi.get(r[0])][r[1]] = r[3];
-  react("heatmap", [{type: "heatmap", z, x: [...Array(width).keys()].map((i) => "GPU " + i), y: hosts, zmin: 0, zmax: 100,
+  // A GPU whose samples stopped (a dead node) must not keep its last utilisation: compared with the newest sample of
+  // the run's nodes (one clock for all, so a simulated or skewed clock does not grey out the healthy ones).
+  const newest = Math.max(...rows.map((r) => r[2]));
+  const stale = new Set();
+  for (const r of rows) {
+    if (newest - r[2] > STALE_S) { stale.add(r[0]); continue; }
+    z[hi.get(r[0])][r[1]] = r[3];
+  }
+  const labels = hosts.map((h) => (stale.has(h) ? h + " (stale)" : h));
+  react("heatmap", [{type: "heatmap", z, x: [...Array(width).keys()].map((i) => "GPU " + i), y: labels, zmin: 0, zmax: 100,
     colorscale: "Viridis", colorbar: {title: {text: "util %"}}, hovertemplate: "%{y} %{x}: %{z:.0f}%<extra></extra>"}],
   layout({hovermode: "closest", margin: {l: 110, r: 10, t: 10, b: 30}, height: Math.min(900, Math.max(220, 18 * hosts.length + 60))}));
 }
@@ -319,7 +328,7 @@ on("steps", "plotly_relayout", (ev) => {
 on("ranks", "plotly_click", (ev) => go(rankUrl(ev.points[0].customdata)));
 on("explain-ranks", "plotly_click", (ev) => go(rankUrl(ev.points[0].customdata)));
 on("rank-heatmap", "plotly_click", (ev) => { const i = heat && heat.rowOf.get(ev.points[0].y); go(i !== undefined && heat.rows[i].url); });
-on("heatmap", "plotly_click", (ev) => go(P.hosts[ev.points[0].y]));
+on("heatmap", "plotly_click", (ev) => go(P.hosts[String(ev.points[0].y).replace(" (stale)", "")]));
 
 $("heatmap-metric").addEventListener("click", (ev) => {
   const b = ev.target.closest("button");
