@@ -62,7 +62,8 @@ def main(args: argparse.Namespace) -> int:
             return
         print(f"==> simulated cluster: {scenario.nodes} nodes x {scenario.gpus_per_node} GPUs, run "
               f"{scenario.run!r}, {len(scenario.faults)} scripted fault(s)", flush=True)
-        print(f"\n    Open {base}/runs/{run_id}/  and sign in as  demo / {password}\n", flush=True)
+        print(f"\n    Open {base}/clusters/demo/  and sign in as  demo / {password}"
+              f"\n    (the run: {base}/runs/{run_id}/)\n", flush=True)
         sender = Sender(base, token, threads=4)
         try:
             run_simulation(SimCluster(scenario, time.time()), sender, 1.0, args.duration, stop, progress=True)
