@@ -123,18 +123,44 @@ function xRange() {
 // Browsers allow ~16 WebGL contexts per page and plotly takes one per WebGL chart: only the five dense per-GPU rows
 // draw with scattergl; the small charts (counters, host, ports, probes) are SVG.
 const WEBGL_CHARTS = new Set(["chart-util", "chart-mem", "chart-power", "chart-temp", "chart-clock"]);
+const SVG_MAX_POINTS = 20000;
+
+// The first screen (utilisation, memory, power, temperature) is drawn at once; every other chart in a task of its own
+// afterwards, so the page paints its answer without waiting for twenty plots, and stays responsive while the rest
+// come in (a plot costs ~50-200 ms of main thread).
+const FIRST_SCREEN = new Set(["chart-util", "chart-mem", "chart-power", "chart-temp"]);
+const later = new Map(); // id -> draw: the newest wins when a chart is redrawn before its turn
+function pump() {
+  const [id, draw] = later.entries().next().value || [];
+  if (!id) return;
+  later.delete(id);
+  draw();
+  if (later.size) setTimeout(pump, 0);
+}
 
 function chart(id, traces, yTitle, extra = {}) {
+  if (!FIRST_SCREEN.has(id)) {
+    if (!later.size) setTimeout(pump, 0);
+    later.set(id, () => drawChart(id, traces, yTitle, extra));
+    return;
+  }
+  drawChart(id, traces, yTitle, extra);
+}
+
+function drawChart(id, traces, yTitle, extra) {
   const el = $(id);
   if (!el) return;
-  if (!WEBGL_CHARTS.has(id)) traces = traces.map((t) => (t.type === "scattergl" ? {...t, type: "scatter"} : t));
+  // WebGL pays a context per chart (hundreds of ms where the browser renders it in software); SVG pays per point.
+  // So WebGL only where a chart holds more points than SVG draws quickly.
+  const points = traces.reduce((n, t) => n + (t.x ? t.x.length : 0), 0);
+  if (!WEBGL_CHARTS.has(id) || points < SVG_MAX_POINTS) traces = traces.map((t) => (t.type === "scattergl" ? {...t, type: "scatter"} : t));
   const lim = extra.limits || [];
   const lay = layout({xaxis: timeAxis({range: xRange()}), yaxis: {title: {text: yTitle}, rangemode: "tozero", ...(extra.yaxis || {})},
     shapes: lim.map((h) => h.shape), annotations: lim.map((h) => h.annotation), showlegend: traces.length > 1 && traces.length <= 24,
     ...(extra.layout || {})});
-  if (!traces.length) lay.annotations.push({xref: "paper", yref: "paper", x: 0.5, y: 0.5, text: "no data in this range", showarrow: false});
+  if (!traces.length) lay.annotations.push({xref: "paper", yref: "paper", x: 0.5, y: 0.5, text: extra.empty || "no data in this range", showarrow: false});
   react(el, traces, lay);
-  el.dataset.points = String(traces.reduce((n, t) => n + (t.x ? t.x.length : 0), 0));
+  el.dataset.points = String(points);
 }
 
 // A GPU's series with the live points appended (only the live fields grow; the others keep their buckets).
@@ -197,10 +223,8 @@ function throttleChart() {
   }
   const el = $("chart-throttle");
   el.style.height = `${Math.max(120, 60 + 26 * traces.length)}px`;
-  chart("chart-throttle", traces, "", {yaxis: {type: "category", rangemode: "normal", automargin: true},
-    layout: {showlegend: false, margin: {l: 10, r: 10, t: 10, b: 35}}});
-  if (!traces.length) Plotly.relayout(el, {annotations: [{xref: "paper", yref: "paper", x: 0.5, y: 0.5, showarrow: false,
-    text: "no throttling in this range"}], "yaxis.visible": false});
+  chart("chart-throttle", traces, "", {yaxis: {type: "category", rangemode: "normal", automargin: true, visible: traces.length > 0},
+    layout: {showlegend: false, margin: {l: 10, r: 10, t: 10, b: 35}}, empty: "no throttling in this range"});
 }
 
 // The rows live points grow: redrawn on every live frame (at most every 500 ms), the rest only on a new range.
