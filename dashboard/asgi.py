@@ -1,5 +1,5 @@
-"""ASGI entry point: HTTP through Django, websockets through Channels (authenticated like the pages), and the
-lifespan protocol, which starts the embedded scheduler when there is no Celery beat (no REDIS_URL)."""
+"""ASGI entry point: HTTP through Django (behind a request body limit), websockets through Channels (authenticated
+like the pages), and the lifespan protocol, which starts the embedded scheduler when there is no Celery beat (no REDIS_URL)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from dashboard.ingest import asgi as ingest_asgi  # noqa: E402
 from dashboard.live.routing import websocket_urlpatterns  # noqa: E402
 from dashboard.scheduler import lifespan  # noqa: E402
+from dashboard.security import BodyLimit  # noqa: E402
 
 router = ProtocolTypeRouter(
     {
-        "http": django_asgi,
+        # Django reads a whole body before it routes: the limit goes in front of it.
+        "http": BodyLimit(django_asgi),
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

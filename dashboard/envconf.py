@@ -6,8 +6,11 @@ given as ``X_FILE`` naming a file that holds it (Docker and Kubernetes secrets).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+import stat
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -89,3 +92,46 @@ def database_from_url(url: str, pool_size: int = 10) -> dict[str, object]:
         "CONN_MAX_AGE": 0,
         "OPTIONS": {"pool": {"min_size": 1, "max_size": pool_size, "timeout": 20}},
     }
+
+
+# --- files that hold secrets ----------------------------------------------------------------------------------------
+def private_dir(path: Path) -> Path:
+    """Create ``path`` as 0700 (webhook secrets and PagerDuty keys live in the SQLite file under it), and close one an
+    older version left open. A directory someone else owns (a mount prepared by an admin) is left as it is."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _tighten(path, 0o700)
+    return path
+
+
+def private_file(path: Path) -> None:
+    """``path`` exists and is 0600, created so from its first byte (never created open, then closed)."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
+    except FileExistsError:
+        _tighten(path, 0o600)
+
+
+def _tighten(path: Path, mode: int) -> None:
+    st = path.stat()
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & ~mode:
+        path.chmod(mode)
+
+
+def read_or_create_secret(path: Path, make: Callable[[], str]) -> str:
+    """The secret in ``path``, created with ``make()`` when missing. Written to a 0600 temporary file and linked into
+    place, so no reader ever sees it readable by others or half-written, and two processes starting together agree."""
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)  # left by a crashed process that had our pid
+        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(make())
+                fh.flush()
+                os.fsync(fh.fileno())
+            with contextlib.suppress(FileExistsError):  # another process won the race: use its key
+                os.link(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    _tighten(path, 0o600)
+    return path.read_text(encoding="utf-8").strip()

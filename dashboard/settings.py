@@ -13,10 +13,21 @@ from pathlib import Path
 
 import plotly
 
-from dashboard.envconf import database_from_url, env_bool, env_float, env_int, env_list, env_str
+from dashboard.envconf import (
+    database_from_url,
+    env_bool,
+    env_float,
+    env_int,
+    env_list,
+    env_str,
+    private_dir,
+    private_file,
+    read_or_create_secret,
+)
 
 BASE_DIR = Path(__file__).resolve().parent
-DATA_DIR = Path(env_str("CLUSTERDX_DATA_DIR", str(Path.cwd() / "var"))).resolve()
+# 0700: it holds the secret key and the SQLite file (webhook secrets, PagerDuty routing keys).
+DATA_DIR = private_dir(Path(env_str("CLUSTERDX_DATA_DIR", str(Path.cwd() / "var"))).resolve())
 
 
 def _secret_key() -> str:
@@ -24,12 +35,7 @@ def _secret_key() -> str:
     if key:
         return key
     # Embedded default: one random key per data directory, kept so sessions survive a restart.
-    DATA_DIR.mkdir(parents=True, exist_ok=True)
-    path = DATA_DIR / "secret_key"
-    if not path.exists():
-        path.write_text(secrets.token_urlsafe(50))
-        path.chmod(0o600)
-    return path.read_text().strip()
+    return read_or_create_secret(DATA_DIR / "secret_key", lambda: secrets.token_urlsafe(50))
 
 
 SECRET_KEY = _secret_key()
@@ -37,6 +43,15 @@ DEBUG = env_bool("DEBUG", False)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver")
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
 SITE_URL = env_str("SITE_URL", "http://localhost:8000").rstrip("/")
+
+# Served over HTTPS (behind a TLS-terminating proxy): cookies only over TLS, HSTS, and the proxy's
+# X-Forwarded-Proto believed, so request.is_secure() (HSTS, CSRF's origin check, wss:// in the CSP) sees https.
+HTTPS = SITE_URL.lower().startswith("https://") and not DEBUG
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = HTTPS
+SECURE_HSTS_SECONDS = env_int("CLUSTERDX_HSTS_SECONDS", 31_536_000, min=0) if HTTPS else 0
+if HTTPS and env_bool("CLUSTERDX_TRUST_X_FORWARDED_PROTO", True):
+    # Only safe when the proxy sets (or strips) this header: set the variable to false when nothing does.
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 
 INSTALLED_APPS = [
     "django.contrib.auth",
@@ -57,11 +72,13 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "dashboard.security.ContentSecurityPolicy",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "dashboard.security.LoginThrottle",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
@@ -88,11 +105,16 @@ if DATABASE_URL:
     DATABASES = {"default": database_from_url(DATABASE_URL, env_int("CLUSTERDX_DB_POOL_SIZE", 10, min=1))}
     DATABASES["default"]["TEST"] = {"NAME": f"test_{DATABASES['default']['NAME']}_{os.getpid()}"}
 else:
-    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    SQLITE_PATH = Path(env_str("CLUSTERDX_SQLITE_PATH", str(DATA_DIR / "clusterdx.sqlite3")))
+    # Created 0600 before SQLite opens it; SQLite gives its -wal and -shm files the database file's mode.
+    for _db_file in (SQLITE_PATH, SQLITE_PATH.with_name(SQLITE_PATH.name + "-wal"),
+                     SQLITE_PATH.with_name(SQLITE_PATH.name + "-shm")):
+        if _db_file == SQLITE_PATH or _db_file.exists():
+            private_file(_db_file)
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
-            "NAME": env_str("CLUSTERDX_SQLITE_PATH", str(DATA_DIR / "clusterdx.sqlite3")),
+            "NAME": str(SQLITE_PATH),
             "OPTIONS": {
                 # WAL lets the pages read while ingest writes; IMMEDIATE takes the write lock up front so two
                 # writers queue on busy_timeout instead of failing with "database is locked" mid-transaction.
@@ -118,6 +140,11 @@ if REDIS_URL:
     }
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer", "CONFIG": {"capacity": 2000}}}
+
+# The cache holds the failed sign-in counts: in-process embedded, shared by every server process with Redis.
+if REDIS_URL:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL,
+                          "KEY_PREFIX": env_str("CLUSTERDX_REDIS_PREFIX", "clusterdx")}}
 
 # Celery: Redis broker in production; embedded, tasks run in-process (the embedded scheduler calls the same tasks).
 CELERY_BROKER_URL = REDIS_URL or "memory://"
@@ -157,8 +184,19 @@ WHITENOISE_AUTOREFRESH = DEBUG
 CLUSTERDX = {
     # Ingest: compressed and decompressed body limits (413 beyond).
     "INGEST_MAX_BODY_BYTES": env_int("CLUSTERDX_INGEST_MAX_BODY_BYTES", 8 * 1024 * 1024, min=1024),
+    # Ingest: how far ahead of the server's clock a batch's times may be (400 clock_skew beyond).
+    "INGEST_MAX_FUTURE_S": env_float("CLUSTERDX_INGEST_MAX_FUTURE_S", 300.0, min=1.0),
+    # Request bodies: refused with 413 from Content-Length, or cut off while streaming, before Django reads them.
+    "MAX_BODY_BYTES": env_int("CLUSTERDX_MAX_BODY_BYTES", 1024 * 1024, min=1024),
+    # The log doctor's upload: a 20 MB log file and the form around it.
+    "DOCTOR_MAX_BODY_BYTES": env_int("CLUSTERDX_DOCTOR_MAX_BODY_BYTES", 21 * 1024 * 1024, min=1024),
+    # Sign-in: this many failures per user name and address lock that pair out for the window (429).
+    "LOGIN_MAX_FAILURES": env_int("CLUSTERDX_LOGIN_MAX_FAILURES", 10, min=1),
+    "LOGIN_FAILURE_WINDOW_S": env_int("CLUSTERDX_LOGIN_FAILURE_WINDOW_S", 900, min=1),
     # Live: at most one websocket frame per client per this many milliseconds.
     "LIVE_FRAME_INTERVAL_MS": env_int("CLUSTERDX_LIVE_FRAME_INTERVAL_MS", 250, min=20),
+    # An open live socket re-checks that its user may still see the cluster this often (closed with 4403 if not).
+    "LIVE_ACCESS_RECHECK_S": env_float("CLUSTERDX_LIVE_ACCESS_RECHECK_S", 30.0, min=0.1),
     # How many recent steps a run page starts with.
     "LIVE_SNAPSHOT_STEPS": env_int("CLUSTERDX_LIVE_SNAPSHOT_STEPS", 300, min=10),
     # Time series older than this are deleted by the retention task.

@@ -118,7 +118,19 @@ class Config:
 
 
 class _Rejected(Exception):
-    """The server refused the batch for good (4xx other than 429)."""
+    """The server refused the batch for good (4xx other than 429, or a redirect)."""
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Never follow a redirect: urllib would repeat the request with our ``Authorization`` header to wherever
+    ``Location`` points (another host included). The 3xx becomes an HTTPError, refused in :meth:`Shipper._post`."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+# Proxies from the environment as urlopen() has them; redirects never followed.
+_opener = urllib.request.build_opener(_NoRedirect)
 
 
 class Shipper:
@@ -382,9 +394,12 @@ class Shipper:
             headers["Content-Encoding"] = "gzip"
         request = urllib.request.Request(f"{self.config.server}/api/v1/ingest", data=body, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.config.http_timeout) as response:
+            with _opener.open(request, timeout=self.config.http_timeout) as response:
                 response.read()
         except urllib.error.HTTPError as exc:
+            if 300 <= exc.code < 400:  # a wrong CLUSTERDX_SERVER (http -> https, a moved host): retrying cannot help
+                raise _Rejected(f"HTTP {exc.code} redirect to {exc.headers.get('Location', '?')}: set CLUSTERDX_SERVER "
+                                "to the final address (the token is never sent across a redirect)") from None
             if 400 <= exc.code < 500 and exc.code != 429:
                 raise _Rejected(f"HTTP {exc.code} {_reason(exc)}") from None
             raise

@@ -28,7 +28,9 @@ def launch_page(monkeypatch: pytest.MonkeyPatch, width: int = 1400, height: int 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
         try:
-            page = browser.new_page(viewport={"width": width, "height": height})
+            # The pages' Content-Security-Policy forbids eval, which Playwright's wait_for_function uses: the shared
+            # page bypasses it (tests/server/test_security.py checks the pages under the policy).
+            page = browser.new_page(viewport={"width": width, "height": height}, bypass_csp=True)
             errors: list[str] = []
             page.on("pageerror", lambda exc: errors.append(str(exc)))
             page.js_errors = errors  # type: ignore[attr-defined]

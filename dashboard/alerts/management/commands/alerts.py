@@ -1,10 +1,13 @@
 """``manage.py alerts add|list|test|disable|enable``: alert endpoints from the command line.
 
-The secret of a new endpoint is printed once, to standard output only (never to the log).
+The secret of a new endpoint is printed once, to standard output only (never to the log). A secret given to ``add``
+is read from a file or standard input (``--secret-file``), never from the command line, where ``ps`` shows it.
 """
 
 from __future__ import annotations
 
+import getpass
+import sys
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -24,8 +27,11 @@ class Command(BaseCommand):
         add.add_argument("--cluster", required=True)
         add.add_argument("--kind", required=True, choices=sorted(base.REGISTRY))
         add.add_argument("--url", default="", help="receiver URL (PagerDuty: defaults to the Events API v2)")
-        add.add_argument("--secret", default="", help="webhook: whsec_... (generated when omitted); "
-                         "pagerduty: the routing key")
+        add.add_argument("--secret-file", default="", metavar="FILE",
+                         help="read the secret from FILE ('-': standard input, a hidden prompt on a terminal). "
+                         "webhook: whsec_... (generated when omitted); pagerduty: the routing key")
+        add.add_argument("--secret", default="", help="deprecated: the secret on the command line is visible to "
+                         "every user in `ps`; use --secret-file")
         add.add_argument("--name", default="")
         add.add_argument("--min-severity", default="warning", choices=SEVERITIES)
         add.add_argument("--kinds", default="", help="finding kinds, comma-separated (default: all)")
@@ -44,15 +50,36 @@ class Command(BaseCommand):
         if cluster is None:
             raise CommandError(f"no cluster named {opts['cluster']!r}")
         kinds = [k.strip() for k in opts["kinds"].split(",") if k.strip()]
+        given = self._secret(opts)
         try:
             endpoint, secret = endpoints.create(cluster, name=opts["name"], kind=opts["kind"], url=opts["url"],
-                                                secret=opts["secret"], min_severity=opts["min_severity"],
+                                                secret=given, min_severity=opts["min_severity"],
                                                 kinds=kinds, max_per_hour=opts["max_per_hour"])
         except ValueError as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(f"endpoint {endpoint.id} ({endpoint.kind}) added to {cluster.name}")
-        if secret:
+        if secret and secret != given:  # one the operator gave is not echoed back to the terminal
             self.stdout.write(f"secret (shown once): {secret}")
+
+    def _secret(self, opts: dict[str, Any]) -> str:
+        if opts["secret"]:
+            if opts["secret_file"]:
+                raise CommandError("give the secret once: --secret-file (or the deprecated --secret)")
+            self.stderr.write("warning: --secret is deprecated: the secret was visible to every user in `ps` while "
+                              "this ran; use --secret-file FILE or --secret-file - (standard input)")
+            return str(opts["secret"])
+        source = opts["secret_file"]
+        if not source:
+            return ""
+        if source == "-":
+            if sys.stdin.isatty():
+                return getpass.getpass("secret: ").strip()
+            return sys.stdin.readline().strip()
+        try:
+            with open(source, encoding="utf-8") as fh:
+                return fh.read().strip()
+        except OSError as exc:
+            raise CommandError(f"--secret-file {source!r} cannot be read: {exc.strerror}") from None
 
     def do_list(self, opts: dict[str, Any]) -> None:
         rows = Endpoint.objects.select_related("cluster").order_by("cluster__name", "id")
