@@ -12,6 +12,7 @@ import uuid
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
+from django.utils import timezone
 
 from dashboard.diagnosis.models import SEVERITIES
 
@@ -101,3 +102,30 @@ class Delivery(models.Model):
 
     def __str__(self) -> str:
         return f"delivery {self.id} {self.event} ({self.status})"
+
+
+class Outbox(models.Model):
+    """A finding event whose deliveries are still owed, written in the transaction that changed the finding.
+
+    The planner's on_commit hook is only a fast path: a process that dies between the commit and the hook would lose
+    the alert for good. This row commits (or rolls back) with the finding, and the alert sweep plans every row left
+    unplanned. Planning claims the row (``planned_at``) in the same transaction as the deliveries it writes, and the
+    deliveries are unique per endpoint and event, so a row drained twice, or by the hook and a sweep at once, still
+    gives one delivery per endpoint.
+    """
+
+    finding = models.ForeignKey("diagnosis.Finding", on_delete=models.CASCADE, related_name="+")
+    event = models.CharField(max_length=16, choices=[(e, e) for e in EVENTS])
+    severity = models.CharField(max_length=16)  # the finding's at the event: a later escalation is its own row
+    created_at = models.DateTimeField(default=timezone.now)
+    next_attempt_at = models.DateTimeField(default=timezone.now)
+    planned_at = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveSmallIntegerField(default=0)  # failed planning attempts (each pushed back)
+    last_error = models.TextField(blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["next_attempt_at"], condition=Q(planned_at=None), name="outbox_owed"),
+                   models.Index(fields=["finding", "event"], name="outbox_finding_event")]
+
+    def __str__(self) -> str:
+        return f"outbox {self.id} {self.event} of finding {self.finding_id}"

@@ -1,21 +1,30 @@
-"""From ``finding_changed`` to Delivery rows: endpoint filters, grouping, the rate limit and the one resolve.
+"""From finding events to Delivery rows: endpoint filters, grouping, the rate limit and the one resolve.
 
 Decisions for one endpoint are made in one transaction holding that endpoint's row lock, so two detectors
 signalling at once cannot both start a group or both slip under the rate limit.
+
+At least once, then deduplicated: ``finding_recorded`` writes an :class:`Outbox` row inside the finding's own
+transaction; ``finding_changed`` (after the commit) drains it at once, and the alert sweep drains whatever a crash
+left behind. Draining claims the row and writes its deliveries in one transaction, and a delivery is unique per
+(endpoint, finding event), so however many times an event is planned, each endpoint gets one delivery.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 from typing import Any
 
 from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.dispatch import receiver
 from django.utils import timezone
 
 from dashboard.alerts import conf
-from dashboard.alerts.models import Delivery, Endpoint, severity_rank
+from dashboard.alerts.models import Delivery, Endpoint, Outbox, severity_rank
 from dashboard.diagnosis.models import Finding
+from dashboard.diagnosis.signals import finding_recorded
 
 log = logging.getLogger(__name__)
 S = Delivery.Status
@@ -30,16 +39,84 @@ FAMILIES = {
 }
 
 
+OUTBOX_MAX_ATTEMPTS = 20  # a row whose planning keeps failing stays, with its error, for someone to look at
+OUTBOX_KEEP = timedelta(days=1)  # planned rows are kept this long (what was planned when), then pruned
+OUTBOX_PRUNE_EVERY_S = 600.0
+_pruned_at = 0.0
+
+
+@receiver(finding_recorded, dispatch_uid="dashboard.alerts.outbox")
+def owe(sender: Any, finding: Finding, event: str, **kwargs: Any) -> None:
+    """Inside the finding's transaction: the event's deliveries are owed from the moment the change commits.
+
+    Not guarded: should this insert fail, the finding change rolls back with it, and the next pass retries both."""
+    Outbox.objects.create(finding=finding, event=event, severity=finding.severity)
+
+
 def on_finding_changed(sender: Any, finding: Finding, event: str, **kwargs: Any) -> None:
-    """Signal receiver. It must never break the detector that sent the signal: failures are logged."""
+    """Signal receiver (after the commit). It must never break the detector that sent the signal: failures are
+    logged, and what the outbox holds is planned by the next sweep."""
     from dashboard.alerts.tasks import schedule
 
     try:
-        for delivery in plan(finding, event):
+        owed_here = list(Outbox.objects.filter(finding_id=finding.id, event=event, planned_at=None)
+                         .order_by("id").values_list("id", flat=True))
+        # No outbox row: a sender outside the lifecycle (or a sweep got there first); planning again is harmless.
+        deliveries = [d for pk in owed_here for d in drain_one(pk)] if owed_here else plan(finding, event)
+        for delivery in deliveries:
             # After the commit, should a detector ever signal inside a transaction: a worker must find the row.
             transaction.on_commit(lambda d=delivery: schedule(d))
     except Exception:
         log.exception("alerts: planning deliveries for finding %s (%s) failed", finding.pk, event)
+
+
+def owed(limit: int = 100) -> list[int]:
+    """Outbox rows due for planning, oldest first."""
+    return list(Outbox.objects.filter(planned_at=None, attempts__lt=OUTBOX_MAX_ATTEMPTS,
+                                      next_attempt_at__lte=timezone.now())
+                .order_by("id").values_list("id", flat=True)[:limit])
+
+
+def drain_one(pk: int) -> list[Delivery]:
+    """Plan one outbox row: claimed in the same transaction as the deliveries it writes, so a crash rolls both back
+    and a second drainer (the fast path, another worker's sweep) finds it claimed and plans nothing."""
+    with transaction.atomic():
+        if Outbox.objects.filter(id=pk, planned_at=None).update(planned_at=timezone.now()) != 1:
+            return []
+        row = Outbox.objects.select_related("finding").get(id=pk)
+        finding = row.finding
+        finding.severity = row.severity  # the event as it happened, not what the finding has become since
+        return plan(finding, row.event)
+
+
+def drain_outbox(limit: int = 100) -> list[Delivery]:
+    """The sweep's part: plan every owed row. A row that fails is pushed back (errors are data), never retried in a
+    tight loop. Returns the new pending deliveries, for the caller to schedule."""
+    out: list[Delivery] = []
+    for pk in owed(limit):
+        try:
+            out += drain_one(pk)
+        except Exception as exc:
+            log.exception("alerts: planning outbox row %s failed; pushed back", pk)
+            _push_back(pk, exc)
+    _prune()
+    return out
+
+
+def _push_back(pk: int, exc: Exception) -> None:
+    row = Outbox.objects.filter(id=pk, planned_at=None)
+    tries = (row.values_list("attempts", flat=True).first() or 0) + 1
+    delay = timedelta(seconds=min(600.0, 2.0 ** tries))
+    row.update(attempts=F("attempts") + 1, next_attempt_at=timezone.now() + delay,
+               last_error=f"{type(exc).__name__}: {exc}"[:2000])
+
+
+def _prune() -> None:
+    global _pruned_at
+    if time.monotonic() - _pruned_at < OUTBOX_PRUNE_EVERY_S:
+        return
+    _pruned_at = time.monotonic()
+    Outbox.objects.filter(planned_at__lt=timezone.now() - OUTBOX_KEEP).delete()
 
 
 def plan(finding: Finding, event: str) -> list[Delivery]:

@@ -3,6 +3,9 @@ hands it out again, and :func:`delivery.claim` lets it take over the dead worker
 
 Embedded (tasks eager, no broker) nothing is enqueued: the embedded scheduler runs ``sweep`` every second, which
 sends due rows from a background thread so a slow receiver never holds up ingest.
+
+Either way the sweep first plans what the alerts outbox still owes (:func:`planner.drain_outbox`): finding events
+whose on_commit fast path died with its process.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from celery import shared_task
 from django.db import connection
 from django.utils import timezone
 
-from dashboard.alerts import conf
+from dashboard.alerts import conf, planner
 from dashboard.alerts import delivery as attempts
 from dashboard.alerts.models import Delivery
 from dashboard.celery import app  # the project's app, configured from settings, whoever imports this first
@@ -56,6 +59,7 @@ def send_due(limit: int = 100) -> int:
 
 def _sweep_in_background() -> None:
     try:
+        planner.drain_outbox()  # its deliveries are pending and due: the loop below sends them
         for _ in range(10):  # bounded: the next sweep, a second later, carries on
             if not send_due():
                 break
@@ -68,12 +72,15 @@ def _sweep_in_background() -> None:
 
 @shared_task(name="dashboard.alerts.tasks.sweep", ignore_result=True)
 def sweep() -> None:
-    """Embedded: send what is due (at most one sweeping thread). Production: re-enqueue rows whose message was lost
-    (overdue by ALERTS_SWEEP_GRACE_S: a broker restart, a purge), harmless if it was not."""
+    """Plan what the outbox owes, then: embedded, send what is due (at most one sweeping thread); production,
+    enqueue the new rows and re-enqueue those whose message was lost (overdue by ALERTS_SWEEP_GRACE_S: a broker
+    restart, a purge), harmless if it was not."""
     if eager():
         # The check is one indexed query on the scheduler's thread; a thread (and its connection) only when needed.
-        if attempts.due(limit=1) and _sweeping.acquire(blocking=False):
+        if (attempts.due(limit=1) or planner.owed(limit=1)) and _sweeping.acquire(blocking=False):
             threading.Thread(target=_sweep_in_background, name="alerts-sweep", daemon=True).start()
         return
+    for delivery in planner.drain_outbox():
+        schedule(delivery)
     for delivery_id, number in attempts.due(grace_s=float(conf.get("ALERTS_SWEEP_GRACE_S"))):
         enqueue(delivery_id, number, timezone.now())

@@ -4,7 +4,8 @@ One open row per (cluster, kind, subject). A detection opens a row or refreshes 
 action); a row whose condition is gone is resolved only after it stayed gone for ``CLEAR_AFTER_S`` and at least
 ``CLEAR_PASSES`` passes (hysteresis: a condition that flickers keeps one row instead of a stream of open/resolve).
 Detectors have their own persistence before they speak at all. Browsers hear about every change through the live
-``findings`` event, and the alerts app through ``finding_changed``, both after the commit.
+``findings`` event after the commit; the alerts app through ``finding_recorded`` inside the transaction (its outbox,
+which survives a crash before the hooks run) and ``finding_changed`` after the commit (planning at once).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from django.db import transaction
 from dashboard.diagnosis.detectors.base import SEVERITY_RANK, Detection
 from dashboard.diagnosis.live import finding_row
 from dashboard.diagnosis.models import Finding
-from dashboard.diagnosis.signals import finding_changed
+from dashboard.diagnosis.signals import finding_changed, finding_recorded
 from dashboard.live.broadcast import broadcast, cluster_group
 from dashboard.telemetry.models import Cluster, Node, Run
 
@@ -107,5 +108,6 @@ def _notify(cluster_id: int, changes: Changes) -> None:
     for event, found in (("opened", changes.opened), ("escalated", changes.escalated),
                          ("resolved", changes.resolved)):
         for f in found:
+            finding_recorded.send(sender=Finding, finding=f, event=event)  # commits with the change, or not at all
             transaction.on_commit(lambda f=f, event=event: finding_changed.send(sender=Finding, finding=f,
                                                                                event=event))

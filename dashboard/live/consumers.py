@@ -14,6 +14,7 @@ from urllib.parse import parse_qs
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
+from django.contrib.auth import get_user_model
 
 from dashboard.live import snapshot
 from dashboard.live.broadcast import cluster_group, run_group
@@ -21,6 +22,7 @@ from dashboard.live.events import EVENT_KEYS, GPU_ROW, STEP_ROW
 from dashboard.telemetry.models import Cluster, Run
 
 MAX_PENDING_STEPS = 20_000
+MAX_PENDING_ROWS = 2_000  # events, and findings (one row per finding), held for one client between frames
 
 
 @database_sync_to_async
@@ -37,6 +39,14 @@ def _resolve(user: Any, query: dict[str, list[str]]) -> tuple[Cluster, Run | Non
     except (KeyError, ValueError, Run.DoesNotExist, Cluster.DoesNotExist):
         return None
     return (cluster, run) if cluster.visible_to(user) else None
+
+
+@database_sync_to_async
+def _still_allowed(user_id: int, cluster_id: int) -> bool:
+    """Read afresh: the user may have been removed from the cluster, deactivated or deleted since the socket opened."""
+    user = get_user_model().objects.filter(pk=user_id, is_active=True).first()
+    cluster = Cluster.objects.filter(pk=cluster_id).first()
+    return user is not None and cluster is not None and cluster.visible_to(user)
 
 
 @database_sync_to_async
@@ -75,6 +85,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         self.host: str | None = (query.get("node") or [None])[0]
         only = (query.get("only") or [""])[0]
         self.only: set[str] | None = {k for k in only.split(",") if k in EVENT_KEYS} if only else None
+        self.user_id, self.cluster_id = user.pk, cluster.id
         self.groups_joined = [cluster_group(cluster.id)] + ([run_group(run.id)] if run else [])
         for group in self.groups_joined:
             await self.channel_layer.group_add(group, self.channel_name)
@@ -113,13 +124,33 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             steps.extend(event["steps"])
             if len(steps) > MAX_PENDING_STEPS:  # a stalled client catches up with the recent past only
                 del steps[: len(steps) - MAX_PENDING_STEPS]
+        elif kind == "findings":
+            findings = self.pending.setdefault("findings", {})
+            for row in event["findings"]:
+                findings.pop(row["id"], None)  # the latest state of each finding wins, in the order they changed
+                findings[row["id"]] = row
+            while len(findings) > MAX_PENDING_ROWS:  # a stalled client: the oldest changes go first
+                del findings[next(iter(findings))]
         else:
-            self.pending.setdefault(kind, []).extend(event[kind])
+            rows = self.pending.setdefault(kind, [])
+            rows.extend(event[kind])
+            if len(rows) > MAX_PENDING_ROWS:  # a stalled client catches up with the recent events only
+                del rows[: len(rows) - MAX_PENDING_ROWS]
 
     async def _flush_forever(self) -> None:
         interval = settings.CLUSTERDX["LIVE_FRAME_INTERVAL_MS"] / 1000
+        recheck = float(settings.CLUSTERDX["LIVE_ACCESS_RECHECK_S"])
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + recheck
         while True:
             await asyncio.sleep(interval)
+            if loop.time() >= next_check:
+                # Access was checked at connect; a member removed since must not keep watching.
+                next_check = loop.time() + recheck
+                if not await _still_allowed(self.user_id, self.cluster_id):
+                    self.pending = {}
+                    await self.close(code=4403)
+                    return
             if not self.pending:
                 continue
             pending, self.pending = self.pending, {}

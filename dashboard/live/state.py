@@ -1,7 +1,9 @@
 """Live state: the latest heartbeat per node, the latest sample per GPU and the latest beat per rank, per cluster.
 
 Redis in production (shared by every ASGI and Celery worker), a dict in the embedded default. Small and bounded:
-one entry per node and per GPU, overwritten in place.
+one entry per node and per GPU, overwritten in place. Rank beats come and go with runs (every run brings new
+(run, rank) keys), so they are trimmed: beats older than ``BEAT_TTL_S`` go, and at most ``MAX_BEATS`` per cluster
+are kept (the least recently heard go first).
 """
 
 from __future__ import annotations
@@ -13,6 +15,12 @@ from functools import lru_cache
 from typing import Any, Protocol
 
 from django.conf import settings
+
+# The hang detector ignores runs stalled for an hour or more, so an older beat never names anything; kept a little
+# longer than that. The bound is far above any real job's ranks: it only caps a flood of invented (run, rank) keys.
+BEAT_TTL_S = 7200.0
+MAX_BEATS = 65_536
+TRIM_EVERY_S = 10.0  # Redis: trim at most this often per cluster and process (reads filter on their own)
 
 
 class LiveState(Protocol):
@@ -27,8 +35,12 @@ class LiveState(Protocol):
     def beats(self, cluster_id: int) -> list[dict[str, Any]]: ...
 
 
-def _beat_row(host: str, beat: dict[str, Any]) -> dict[str, Any]:
-    return {**beat, "host": host, "received": time.time()}
+def _beat_row(host: str, beat: dict[str, Any], received: float) -> dict[str, Any]:
+    return {**beat, "host": host, "received": received}
+
+
+def _fresh(rows: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
+    return [r for r in rows if r["received"] >= now - BEAT_TTL_S]
 
 
 class MemoryState:
@@ -54,14 +66,37 @@ class MemoryState:
             return list(self._gpus.get(cluster_id, {}).values())
 
     def record_beats(self, cluster_id: int, host: str, beats: list[dict[str, Any]]) -> None:
+        now = time.time()
         with self._lock:
             table = self._beats.setdefault(cluster_id, {})
             for beat in beats:
-                table[(beat["run"], beat["rank"])] = _beat_row(host, beat)
+                key = (beat["run"], beat["rank"])
+                table.pop(key, None)  # re-inserted at the end: the dict stays in the order beats were heard
+                table[key] = _beat_row(host, beat, now)
+            # The least recently heard are in front: trimming costs only what it removes.
+            while table and (len(table) > MAX_BEATS or next(iter(table.values()))["received"] < now - BEAT_TTL_S):
+                del table[next(iter(table))]
 
     def beats(self, cluster_id: int) -> list[dict[str, Any]]:
         with self._lock:
-            return list(self._beats.get(cluster_id, {}).values())
+            return _fresh(list(self._beats.get(cluster_id, {}).values()), time.time())
+
+
+# KEYS: the beats hash, its heard-at sorted set; ARGV: cutoff, bound. Atomic, so two processes trimming at once
+# cannot remove a beat heard meanwhile. Removes the stale, then the least recently heard beyond the bound.
+_TRIM_BEATS = """
+local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[1])
+local over = redis.call('ZCARD', KEYS[2]) - #gone - tonumber(ARGV[2])
+if over > 0 then
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[2], #gone, #gone + over - 1)) do table.insert(gone, m) end
+end
+for i = 1, #gone, 1000 do
+  local part = {unpack(gone, i, math.min(i + 999, #gone))}
+  redis.call('HDEL', KEYS[1], unpack(part))
+  redis.call('ZREM', KEYS[2], unpack(part))
+end
+return #gone
+"""
 
 
 class RedisState:
@@ -70,6 +105,8 @@ class RedisState:
 
         self._redis = redis.Redis.from_url(url)
         self._prefix = prefix
+        self._trimmed: dict[int, float] = {}
+        self._trim = self._redis.register_script(_TRIM_BEATS)
 
     def _key(self, what: str, cluster_id: int) -> str:
         return f"{self._prefix}:live:{what}:{cluster_id}"
@@ -89,12 +126,24 @@ class RedisState:
         return [json.loads(v) for v in self._redis.hvals(self._key("gpu", cluster_id))]
 
     def record_beats(self, cluster_id: int, host: str, beats: list[dict[str, Any]]) -> None:
-        if beats:
-            mapping = {f"{b['run']}|{b['rank']}": json.dumps(_beat_row(host, b)) for b in beats}
-            self._redis.hset(self._key("beat", cluster_id), mapping=mapping)
+        """The beats in a hash, and when each was heard in a sorted set beside it, which the trim reads."""
+        if not beats:
+            return
+        now = time.time()
+        rows, heard = self._key("beat", cluster_id), self._key("beatt", cluster_id)
+        keys = {f"{b['run']}|{b['rank']}": json.dumps(_beat_row(host, b, now)) for b in beats}
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hset(rows, mapping=keys)
+        pipe.zadd(heard, dict.fromkeys(keys, now))
+        for key in (rows, heard):  # a cluster that goes quiet altogether leaves nothing behind
+            pipe.expire(key, int(BEAT_TTL_S))
+        pipe.execute()
+        if now - self._trimmed.get(cluster_id, 0.0) >= TRIM_EVERY_S:
+            self._trimmed[cluster_id] = now
+            self._trim(keys=[rows, heard], args=[now - BEAT_TTL_S, MAX_BEATS])
 
     def beats(self, cluster_id: int) -> list[dict[str, Any]]:
-        return [json.loads(v) for v in self._redis.hvals(self._key("beat", cluster_id))]
+        return _fresh([json.loads(v) for v in self._redis.hvals(self._key("beat", cluster_id))], time.time())
 
     def clear(self) -> None:
         for key in self._redis.scan_iter(f"{self._prefix}:live:*"):

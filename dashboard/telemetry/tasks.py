@@ -1,28 +1,86 @@
-"""Retention: time series older than RETENTION_HOURS are deleted in bounded chunks."""
+"""Retention: time series older than RETENTION_HOURS are deleted in bounded chunks, and so are the idempotency
+records (AgentBatch) of that age, but for one per agent.
+
+That one is the agent's *mark*: its highest seq among the purged records. Seqs only grow for an agent's lifetime
+(:mod:`clusterdx.wire`), so a seq at or below the mark was either stored and purged, or is older than retention;
+ingest answers it as a duplicate (:func:`purged_through`) instead of storing a late retry a second time. Keeping one
+small row per agent costs nothing next to its time series; marks of agents silent for ``MARK_KEEP`` (a reimaged
+node, a finished training process posting directly) go too, after which a retry that late would be stored again.
+"""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from celery import shared_task
 from django.conf import settings
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from dashboard.telemetry import models as m
 
 SERIES = (m.GpuSample, m.HostSample, m.PortSample, m.StepSample, m.Event, m.Probe)
+MARK_KEEP = timedelta(days=30)
+
+
+def cutoff() -> datetime:
+    return timezone.now() - timedelta(hours=settings.CLUSTERDX["RETENTION_HOURS"])
 
 
 @shared_task(name="dashboard.telemetry.tasks.purge_old_samples")
 def purge_old_samples(chunk: int = 50_000) -> int:
-    cutoff = timezone.now() - timedelta(hours=settings.CLUSTERDX["RETENTION_HOURS"])
+    before = cutoff()
     deleted = 0
     for model in SERIES:
-        # Chunked so a long outage of the task never turns into one giant, lock-holding DELETE.
-        while True:
-            ids = list(model.objects.filter(ts__lt=cutoff).values_list("id", flat=True)[:chunk])
-            if not ids:
-                break
-            deleted += model.objects.filter(id__in=ids).delete()[0]
-    m.AgentBatch.objects.filter(received_at__lt=cutoff).delete()
+        deleted += _purge(model.objects.filter(ts__lt=before), chunk)
+    for cluster_id in m.Cluster.objects.values_list("id", flat=True):
+        _purge_batches(cluster_id, before, chunk)
+        _purge(m.AgentBatch.objects.filter(cluster_id=cluster_id, received_at__lt=timezone.now() - MARK_KEEP), chunk)
     return deleted
+
+
+def _purge(rows: QuerySet, chunk: int) -> int:
+    """Chunked, so a long outage of the task never turns into one giant, lock-holding DELETE (on either database)."""
+    deleted = 0
+    while True:
+        ids = list(rows.values_list("id", flat=True)[:chunk])
+        if not ids:
+            return deleted
+        deleted += rows.model.objects.filter(id__in=ids).delete()[0]
+
+
+def _purge_batches(cluster_id: int, before: datetime, chunk: int) -> None:
+    """Delete the cluster's records older than ``before``, keeping each agent's highest seq among them (its mark).
+
+    One pass in (received_at, id) order over the index on (cluster, received_at): no per-agent query, and an
+    earlier pass's mark is superseded (deleted) as soon as a higher old seq of its agent comes by."""
+    old = m.AgentBatch.objects.filter(cluster_id=cluster_id, received_at__lt=before)
+    marks: dict[str, tuple[int, int]] = {}  # agent_id -> (seq, id) of its highest old record so far
+    page = old
+    while True:
+        rows = list(page.order_by("received_at", "id").values_list("id", "agent_id", "seq", "received_at")[:chunk])
+        if not rows:
+            return
+        doomed = []
+        for pk, agent_id, seq, _ in rows:
+            best = marks.get(agent_id)
+            if best is not None and best[0] >= seq:
+                doomed.append(pk)
+                continue
+            if best is not None:
+                doomed.append(best[1])
+            marks[agent_id] = (seq, pk)
+        if doomed:
+            m.AgentBatch.objects.filter(id__in=doomed).delete()
+        _, _, _, at = rows[-1]
+        page = old.filter(Q(received_at__gt=at) | Q(received_at=at, id__gt=rows[-1][0]))
+
+
+def purged_through(cluster_id: int, agent_id: str, seq: int) -> bool:
+    """True when ``seq`` is at or below the agent's mark: its record may have been purged, so it is a duplicate.
+
+    Any record of the agent past the cutoff with a higher seq will do (the mark, or one retention has not reached
+    yet). The unique index on (cluster, agent_id, seq) makes this one probe for a new batch, whose seq is the
+    agent's highest; only a retry walks the few records stored after it."""
+    return m.AgentBatch.objects.filter(cluster_id=cluster_id, agent_id=agent_id, seq__gt=seq,
+                                       received_at__lt=cutoff()).exists()
