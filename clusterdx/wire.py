@@ -21,14 +21,27 @@ Unsupported or unknown measurements are ``null``, never a fake ``0``. Timestamps
 Unknown fields are rejected so that a typo in a producer is an error, not a silent drop.
 
 Identity and idempotency: the server accepts each (``agent_id``, ``seq``) once and answers a repeat as a duplicate.
-``seq`` must increase for the lifetime of an ``agent_id``; a producer that cannot persist its counter (a training
-process posting directly) must use a fresh ``agent_id`` per process (``hook-<host>-<pid>-<start time>``).
+A retry must resend the same JSON, byte for byte (gzip aside: the server hashes the decompressed body); the same
+(``agent_id``, ``seq``) with *other* bytes is refused with 409 ``seq_reused`` (the producer's counter went back,
+e.g. a spool rolled back by an OS crash): renumber that batch and send it again, never drop it. ``seq`` must
+increase for the lifetime of an ``agent_id``; a producer that cannot persist its counter (a training process posting
+directly) must use a fresh ``agent_id`` per process (``hook-<host>-<pid>-<start time>``).
+
+Strings are Unicode text: a lone surrogate (``"\\ud800"``, which JSON can escape but UTF-8 cannot encode) and NUL are
+refused, as every integer beyond the column that stores it: a batch the database cannot store must be a 400 the
+producer drops, never a 5xx it would retry forever.
+
+Time: the server bounds timestamps by its own clock. A batch whose ``sent_at`` or any record ``ts`` is more than
+``CLUSTERDX_INGEST_MAX_FUTURE_S`` (default :data:`MAX_FUTURE_S`) ahead of the server, or whose ``sent_at`` is older
+than the retention, is refused with 400 ``clock_skew``: a node a day ahead would otherwise look alive and busy in the
+future, and its rows would escape retention.
 
 The ingest endpoint: ``POST /api/v1/ingest`` with ``Authorization: Bearer <cluster token>``,
 ``Content-Type: application/json`` and optionally ``Content-Encoding: gzip``. Answers: 200
 ``{"status": "accepted" | "duplicate", "seq": N}``; 4xx ``{"error": "<code>", "detail": "<reason>"}`` with 400 (bad
-JSON or schema; ``detail`` names the field), 401 (missing, unknown or revoked token), 403 (token of another cluster),
-413 (body too large), 415 (not JSON / unknown encoding). A 4xx will never succeed on retry; 5xx and 429 may.
+JSON or schema; ``detail`` names the field; ``clock_skew``), 401 (missing, unknown or revoked token), 403 (token of
+another cluster), 409 (``seq_reused``: renumber), 413 (body too large), 415 (not JSON / unknown encoding). Any other
+4xx will never succeed on retry; 5xx and 429 may.
 """
 
 from __future__ import annotations
@@ -36,7 +49,7 @@ from __future__ import annotations
 import math
 import re
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -46,6 +59,9 @@ MAX_BATCH_BYTES = 8 * 1024 * 1024
 # Where the training hooks on a node drop their records for the local agent (UDP, JSON per datagram).
 LOCAL_HOOK_ADDR = ("127.0.0.1", 8650)
 MAX_DATAGRAM_BYTES = 60_000
+# How far ahead of the receiver's clock a timestamp may be: the server's default (CLUSTERDX_INGEST_MAX_FUTURE_S), and
+# the agent's bound on hook datagrams (same node, same clock): one forged record must not get a whole batch refused.
+MAX_FUTURE_S = 300.0
 
 # ---------------------------------------------------------------------------------------------------------------
 # Constraint markers, used inside Annotated[...].
@@ -89,6 +105,9 @@ Unix = Annotated[float, Range(ge=0, le=1e11), Doc("Unix time in seconds")]
 Seconds = Annotated[float, Range(ge=0, le=1e7)]
 Pct = Annotated[float, Range(ge=0, le=100)]
 Count = Annotated[int, Range(ge=0, le=2**63 - 1)]
+# What a 32-bit signed column (IntegerField, PositiveIntegerField) holds; PostgreSQL refuses more ("integer out of
+# range"), and a refused INSERT must be caught here as a 400, not become a 503 the agent retries forever.
+Int32 = Annotated[int, Range(ge=0, le=2**31 - 1)]
 Bytes = Annotated[int, Range(ge=0, le=2**63 - 1)]
 Name = Annotated[str, Len(128, 1)]
 Text = Annotated[str, Len(8192)]
@@ -201,7 +220,7 @@ class Event(Record):
     kind: EventKind
     severity: Severity = "info"
     message: Text = ""
-    code: Annotated[int, Range(ge=0, le=2**31)] | None = None
+    code: Int32 | None = None
     gpu_index: Annotated[int, Range(ge=0, le=1023)] | None = None
     pci_bus_id: Annotated[str, Len(32)] | None = None
     run: Ident | None = None
@@ -271,8 +290,8 @@ class Probe(Record):
 
     ts: Unix
     peer: Hostname
-    sent: Count
-    lost: Count
+    sent: Int32
+    lost: Int32
     rtt_ms: Annotated[float, Range(ge=0)] | None = None  # median of the round trips that came back
     rtt_p99_ms: Annotated[float, Range(ge=0)] | None = None
     bw_gbps: Annotated[float, Range(ge=0)] | None = None  # from a bulk transfer, when one ran
@@ -291,7 +310,7 @@ class RankBeat(Record):
     state: Literal["idle", "data", "step", "finished", "crashed"]
     state_s: Seconds  # for how long it has been in that state
     step: Count | None = None  # the last step that ended
-    pid: Annotated[int, Range(ge=0, le=2**31)] | None = None
+    pid: Int32 | None = None  # a pid_t
 
 
 class Topology(Record):
@@ -335,7 +354,7 @@ class HookDatagram(Record):
 
     v: Literal[1]
     host: Hostname
-    pid: Annotated[int, Range(ge=0, le=2**31)]
+    pid: Int32
     steps: Annotated[list[Step], Len(1000)] = []
     runs: Annotated[list[RunMeta], Len(64)] = []
     events: Annotated[list[Event], Len(1000)] = []
@@ -373,6 +392,11 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
+def _bound(x: float) -> str:
+    """A range bound as a producer can compare it: 2147483647, not 2.14748e+09."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
+
+
 def _split_annotated(tp: Any) -> tuple[Any, list[Any]]:
     meta: list[Any] = []
     while typing.get_origin(tp) is Annotated:
@@ -393,9 +417,9 @@ def _bounded(check: Check, meta: list[Any]) -> Check:
         value = check(value, path)
         if rng is not None:
             if rng.ge is not None and value < rng.ge:
-                raise WireError(path, f"must be >= {rng.ge:g}, got {value!r}")
+                raise WireError(path, f"must be >= {_bound(rng.ge)}, got {value!r}")
             if rng.le is not None and value > rng.le:
-                raise WireError(path, f"must be <= {rng.le:g}, got {value!r}")
+                raise WireError(path, f"must be <= {_bound(rng.le)}, got {value!r}")
         if ln is not None:
             if len(value) > ln.max:
                 raise WireError(path, f"too long: {len(value)} > {ln.max}")
@@ -412,7 +436,15 @@ def _check_str(value: Any, path: str) -> str:
     if type(value) is not str:
         raise WireError(path, f"expected a string, got {_describe(value)}")
     if "\x00" in value:
-        raise WireError(path, "NUL characters are not allowed")
+        raise WireError(path, "NUL characters are not allowed")  # PostgreSQL text and jsonb refuse them
+    if not value.isascii():
+        # JSON's "\ud800" escape decodes to a lone surrogate, which no UTF-8 database can store (SQLite raises
+        # UnicodeEncodeError, PostgreSQL refuses it in jsonb). A proper pair ("\ud83d\ude00") decodes to one character.
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = f"lone surrogate {value[exc.start]!r} at position {exc.start} is not Unicode text"
+            raise WireError(path, bad) from None
     return value
 
 
@@ -547,6 +579,25 @@ def validate_batch(value: Any) -> dict[str, Any]:
 
 def field_names(cls: type[Record]) -> tuple[str, ...]:
     return tuple(cls.__annotations__)
+
+
+_TS_LISTS: dict[type[Record], tuple[str, ...]] = {}
+
+
+def timestamps(cls: type[Record], value: dict[str, Any]) -> Iterator[tuple[str, float]]:
+    """``(path, seconds)`` of the ``sent_at`` and of every record ``ts`` in a validated batch or datagram ``value``:
+    what a receiver bounds by its own clock (other times, such as ``last_checkpoint_ts``, may lie far back)."""
+    lists = _TS_LISTS.get(cls)
+    if lists is None:
+        lists = _TS_LISTS[cls] = tuple(
+            name for name, (tp, _) in _fields(cls).items()
+            if typing.get_origin(inner := _split_annotated(tp)[0]) is list
+            and "ts" in getattr(_split_annotated(typing.get_args(inner)[0])[0], "__annotations__", {}))
+    if value.get("sent_at") is not None:
+        yield "sent_at", value["sent_at"]
+    for name in lists:
+        for i, record in enumerate(value[name]):
+            yield f"{name}[{i}].ts", record["ts"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ follow the ingest contract in :mod:`clusterdx.wire`: 2xx deletes the batch; 429,
 and retry with exponential backoff and jitter (honouring ``Retry-After``); 400, 413 and 415 mean this batch can
 never be accepted, so it is dropped, counted (``server_rejected``) and its reason logged once per reason; 401 and
 403 are a token problem, not a batch problem, so batches stay in the spool (bounded) while the token file is
-re-read before each slow retry.
+re-read before each slow retry. 409 ``seq_reused`` says the content is fine but its number was already used for
+other content (the spool's counter went back): the batch is renumbered and sent again, never deleted.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import http.client
 import json
 import logging
 import random
+import re
 import ssl
 import threading
 import time
@@ -33,6 +35,7 @@ class Stats:
     sent: int = 0
     duplicates: int = 0
     rejected: int = 0
+    renumbered: int = 0
     failures: int = 0
     last_error: str = ""
     last_success: float = 0.0
@@ -41,7 +44,7 @@ class Stats:
 
 @dataclass(frozen=True)
 class Outcome:
-    kind: str  # "ok", "retry", "reject", "auth"
+    kind: str  # "ok", "retry", "reject", "auth", "renumber"
     detail: str = ""
     status: int = 0
     retry_after: float | None = None
@@ -119,6 +122,8 @@ def classify(status: int, payload: bytes, retry_after: str | None) -> Outcome:
         return Outcome("auth", detail, status)
     if status in (408, 429) or status >= 500:
         return Outcome("retry", detail, status, _seconds(retry_after))
+    if status == 409 and detail.startswith("seq_reused:"):  # only our server's answer; another 409 is a refusal
+        return Outcome("renumber", detail, status)
     return Outcome("reject", detail, status)
 
 
@@ -167,6 +172,7 @@ class Sender:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._logged: set[str] = set()
+        self._renumbered: tuple[int, int] = (-1, 0)  # the seq renumbering last gave, and how often that batch was
         self._thread = threading.Thread(target=self._run, name="clusterdx-sender", daemon=True)
 
     def start(self) -> None:
@@ -217,15 +223,29 @@ class Sender:
             self.backoff.reset()
             self._logged.discard("retry")
             return 0.0
+        if outcome.kind == "renumber":
+            return self._renumber(item, outcome)
         if outcome.kind == "reject":
-            self.spool.delete(item.seq)
-            self.spool.note_drop("server_rejected")
+            self.spool.discard(item.seq, "server_rejected")
             self.stats.rejected += 1
-            self._log_once(f"reject:{outcome.status}:{outcome.detail}", logging.ERROR,
+            # Once per kind of refusal: numbers vary between batches ("86400 s ahead", "gpus[3]"), the reason not.
+            self._log_once(f"reject:{outcome.status}:{re.sub(r'[0-9.]+', '#', outcome.detail)}", logging.ERROR,
                            "server rejected batch %d with %d (%s); dropped, not retried",
                            item.seq, outcome.status, outcome.detail or "no reason given")
             return 0.0
         return self._failed(item, outcome)
+
+    def _renumber(self, item: Spooled, outcome: Outcome) -> float:
+        new = self.spool.renumber(item.seq)
+        self.stats.renumbered += 1
+        self._log_once("renumber", logging.WARNING, "the server holds batch %d with other content (%s): this spool's "
+                       "sequence counter went back (an OS crash, a restored spool); sent again as batch %s, and so "
+                       "will be any other batch it refuses so", item.seq, outcome.detail, new)
+        # One renumbering jumps past the whole reused stretch; a server that refuses the same batch again and again
+        # gets the backoff, not a tight loop.
+        again = self._renumbered[1] + 1 if item.seq == self._renumbered[0] else 1
+        self._renumbered = (new if new is not None else -1, again)
+        return 0.0 if again <= 2 else self.backoff.next()
 
     def _failed(self, item: Spooled, outcome: Outcome) -> float:
         self.stats.failures += 1

@@ -4,6 +4,10 @@ A thread receives and validates datagrams into a bounded buffer, so a burst betw
 the hooks (UDP never does) nor grows without limit; ``collect`` hands the buffer to the next batch. Bad datagrams
 are counted as ``hook_bad_datagram`` and logged once per kind of mistake. The hooks' own drop counters are
 cumulative per process, so the agent forwards their increase, by reason, prefixed ``hook_``.
+
+Anything on the node can write to this socket, so a datagram is checked here as strictly as the server checks a
+batch: one that the server would refuse (a lone surrogate, an integer beyond its column, a time far ahead of the
+clock this node shares with its hooks) would cost the agent's whole batch, GPU samples included.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import re
 import socket
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -30,6 +35,12 @@ def parse_addr(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"expected host:port, got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _check_clock(gram: dict[str, Any], now: float) -> None:
+    for path, ts in wire.timestamps(wire.HookDatagram, gram):
+        if ts > now + wire.MAX_FUTURE_S:
+            raise wire.WireError(path, f"{ts - now:.0f} s ahead of this node's clock (limit {wire.MAX_FUTURE_S:g} s)")
 
 
 class HookSource:
@@ -82,6 +93,7 @@ class HookSource:
             if len(data) > wire.MAX_DATAGRAM_BYTES:
                 raise wire.WireError("", f"datagram larger than {wire.MAX_DATAGRAM_BYTES} bytes")
             gram = wire.validate(wire.HookDatagram, json.loads(data))
+            _check_clock(gram, time.time())
         except ValueError as exc:  # json.JSONDecodeError and wire.WireError are both ValueErrors
             self._bad(exc)
             return

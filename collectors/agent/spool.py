@@ -5,14 +5,28 @@ next sequence number and the drop counts not yet reported. Writing before sendin
 at most the interval being measured: a batch is either in the spool or acknowledged by the server.
 
 The bound (batches and bytes) drops the *oldest* batches first, counts them, and the count rides in the next
-batch's ``dropped`` as ``spool_overflow``, so the server knows about the gap. The counter lives in the same
+batch's ``dropped`` as ``spool_overflow``, so the server knows about the gap. A batch the disk refuses (full) is
+counted the same way, as ``disk_full``, by the next batch that fits. The counter lives in the same
 transaction as the batch that reports it: a crash can neither lose nor double the report.
+
+Sequence numbers survive an OS crash, not only ``kill -9``: the transaction that numbers a batch is committed with
+``synchronous=FULL`` (the WAL is fsynced), so no batch can be sent before its number is on disk, and a crash can
+never hand that number to a new batch, which the server would take for a duplicate of the old one and the agent
+would delete. Deleting an acknowledged batch stays ``NORMAL`` (no fsync): if a crash undoes a delete, the batch is
+sent again and the server recognises it by its content digest as a duplicate; draining a backlog of a day's
+batches after an outage would otherwise cost one fsync each. Should a number be reused anyway (a spool restored
+from a backup or a VM snapshot), the server answers 409 ``seq_reused`` and :meth:`Spool.renumber` moves the batch
+past every number the lost counter can have reached.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import gzip
 import json
+import os
+import resource
 import sqlite3
 import threading
 import time
@@ -25,6 +39,11 @@ CREATE TABLE IF NOT EXISTS batch (seq INTEGER PRIMARY KEY, body BLOB NOT NULL, c
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 MAX_DROP_KEYS = 16  # the wire's bound on Batch.dropped
+# How far a renumbered batch jumps past the reused seq: farther than any counter can have advanced before it was
+# rolled back (2**32 batches is 136 years at 1 Hz), while 2**63 leaves room for two billion such jumps.
+RENUMBER_SKIP = 2**32
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_ROOM_BYTES = 1 << 20  # less free room than this when a write fails: the disk is full
 
 
 @dataclass(frozen=True)
@@ -43,11 +62,12 @@ class Spool:
         # One connection shared by the sampling loop and the sender thread, serialised by the lock.
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
-        # NORMAL: a committed batch survives the process being killed; only a power cut may lose the last ones.
-        self._db.execute("PRAGMA synchronous=NORMAL")
+        # FULL by default: every numbering commit is fsynced (see the module docstring); delete() relaxes it.
+        self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
         self._count, self._bytes = self._db.execute("SELECT count(*), coalesce(sum(length(body)), 0) FROM batch")\
             .fetchone()
+        self._unstored: dict[str, int] = {}  # batches the disk refused (and their drops), for the next batch stored
 
     # -- meta ----------------------------------------------------------------------------------------------------
 
@@ -94,21 +114,49 @@ class Spool:
         self._set_meta("drops", json.dumps(drops))
 
     def put(self, batch: dict[str, Any], dropped: dict[str, int] | None = None) -> int:
-        """Number the batch, attach the unreported drops plus ``dropped``, store it; returns its seq."""
+        """Number the batch, attach the unreported drops plus ``dropped``, store it; returns its seq.
+
+        A batch the spool cannot store (a full disk, an I/O error) is counted as ``disk_full`` or ``spool_error``,
+        with the drops it carried, and reported by the next batch stored; the error is raised to the caller."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            count, size = self._count, self._bytes
             try:
+                self._db.execute("BEGIN IMMEDIATE")
                 seq = self._put(batch, dropped or {})
                 self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
+            except BaseException as exc:
+                if self._db.in_transaction:  # SQLite already rolled back after some errors (SQLITE_FULL, IOERR)
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
+                self._count, self._bytes = count, size
+                if isinstance(exc, sqlite3.Error | OSError):
+                    # In memory: the disk that refused the batch cannot take the count either. An agent restarted
+                    # before the disk frees up loses it (and says so in its log).
+                    for reason, n in {self._loss_reason(exc): 1, **(dropped or {})}.items():
+                        self._unstored[reason] = self._unstored.get(reason, 0) + n
                 raise
+            self._unstored = {}
             return seq
+
+    def _loss_reason(self, exc: BaseException) -> str:
+        if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or getattr(exc, "errno", None) in _FULL:
+            return "disk_full"
+        # SQLite reports a write past the file size limit (EFBIG) as a plain I/O error: look whether there was room.
+        try:
+            room = os.statvfs(self.path.parent)
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            largest = max((p.stat().st_size for p in (self.path, Path(f"{self.path}-wal")) if p.exists()), default=0)
+        except OSError:
+            return "spool_error"
+        if room.f_bavail * room.f_frsize < _ROOM_BYTES or (limit != resource.RLIM_INFINITY and
+                                                           largest + _ROOM_BYTES > limit):
+            return "disk_full"
+        return "spool_error"
 
     def _put(self, batch: dict[str, Any], dropped: dict[str, int]) -> int:
         seq = self._next_seq()
         drops = json.loads(self._meta("drops", "{}"))
-        for reason, n in dropped.items():
+        for reason, n in [*dropped.items(), *self._unstored.items()]:
             drops[reason] = drops.get(reason, 0) + n
         if drops:
             batch = {**batch, "dropped": _bounded(drops)}
@@ -141,16 +189,81 @@ class Spool:
         return Spooled(row[0], row[1]) if row else None
 
     def delete(self, seq: int) -> None:
-        with self._lock, self._db:
-            cur = self._db.execute("DELETE FROM batch WHERE seq = ? RETURNING length(body)", (seq,))
-            row = cur.fetchone()
+        with self._lock:
+            # Not synced: a crash that undoes this only causes a resend the server answers as a duplicate.
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            try:
+                with self._db:
+                    row = self._db.execute("DELETE FROM batch WHERE seq = ? RETURNING length(body)", (seq,)).fetchone()
+            finally:
+                self._db.execute("PRAGMA synchronous=FULL")
             if row:
                 self._count -= 1
                 self._bytes -= row[0]
 
+    def discard(self, seq: int, reason: str) -> None:
+        """Delete batch ``seq``, which the server will never accept, and count it as ``reason`` together with the
+        drops it carried: those were reported only in a batch the server did not store, so the next batch reports
+        them again. One transaction: a crash can neither keep the batch nor lose the count."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute("DELETE FROM batch WHERE seq = ? RETURNING body", (seq,)).fetchone()
+                if row:
+                    more = _carried_drops(row[0])
+                    more[reason] = more.get(reason, 0) + 1
+                    self._add_drops(more)
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+            if row:
+                self._count -= 1
+                self._bytes -= len(row[0])
+
+    def renumber(self, seq: int) -> int | None:
+        """Give spooled batch ``seq`` a number the server has never seen, after it answered that ``seq`` is stored
+        with other content (409 ``seq_reused``): this spool's counter went back. Returns the new seq (None if the
+        batch is gone).
+
+        The new number lies ``RENUMBER_SKIP`` past the reused one, so past every number the lost counter can have
+        handed out after it, and the counter continues from there. Batches numbered in the same lost stretch follow
+        one after the other (``max`` with the counter) instead of each jumping again."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                new = self._renumber(seq)
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+            return new
+
+    def _renumber(self, seq: int) -> int | None:
+        row = self._db.execute("SELECT body FROM batch WHERE seq = ?", (seq,)).fetchone()
+        if row is None:
+            return None
+        new = max(self._next_seq(), seq + RENUMBER_SKIP)
+        body = gzip.compress(json.dumps({**json.loads(gzip.decompress(row[0])), "seq": new},
+                                        separators=(",", ":")).encode(), compresslevel=6)
+        self._db.execute("UPDATE batch SET seq = ?, body = ? WHERE seq = ?", (new, body, seq))
+        self._set_meta("next_seq", str(new + 1))
+        self._bytes += len(body) - len(row[0])
+        return new
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _carried_drops(body: bytes) -> dict[str, int]:
+    try:
+        dropped = json.loads(gzip.decompress(body)).get("dropped") or {}
+    except (OSError, EOFError, ValueError, AttributeError):  # a body this spool did not write: nothing to carry
+        return {}
+    return {k: v for k, v in dropped.items() if isinstance(k, str) and type(v) is int and v > 0}
 
 
 def _bounded(drops: dict[str, int]) -> dict[str, int]:

@@ -14,9 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.db import close_old_connections
+from django.db import DatabaseError, close_old_connections
 
-from dashboard.ingest.views import Answer, _limit, check_request, handle_body
+from dashboard.ingest.views import Answer, _limit, _refuse, check_request, handle_body
+from dashboard.telemetry import tokens
 
 PATH = "/api/v1/ingest"
 # Enough threads to overlap a commit's I/O with the next request's parsing; more only contend for the GIL and for
@@ -29,6 +30,17 @@ def _in_thread(headers: dict[str, str], body: bytes | None, limit: int) -> Answe
     close_old_connections()  # as Django does around each request: drop a broken or expired connection
     try:
         return handle_body(headers, body, limit)
+    finally:
+        close_old_connections()
+
+
+def _token_known(headers: dict[str, str]) -> bool:
+    """Checked before the body is read, so an unknown token costs no body; handle_body finds it again in the cache."""
+    close_old_connections()
+    try:
+        return tokens.lookup(headers["authorization"][len("Bearer "):].strip()) is not None
+    except DatabaseError:
+        return True  # undecided: handle_body looks again and answers for the database
     finally:
         close_old_connections()
 
@@ -53,6 +65,8 @@ async def _read(receive: Any, limit: int, declared: str | None) -> bytes | None:
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
     answer = check_request(scope["method"], headers)
+    if answer is None and not await sync_to_async(_token_known, thread_sensitive=False, executor=_pool)(headers):
+        answer = _refuse("unknown_token", "the token is unknown or has been revoked")
     if answer is None:
         limit = _limit()
         body = await _read(receive, limit, headers.get("content-length"))

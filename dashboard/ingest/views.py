@@ -6,8 +6,10 @@ written until the whole batch has validated: a refused batch changes nothing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import time
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +30,28 @@ def _limit() -> int:
     from django.conf import settings
 
     return int(settings.CLUSTERDX["INGEST_MAX_BODY_BYTES"])
+
+
+def clock_skew(batch: dict[str, Any], now: float) -> str | None:
+    """Why the batch's times cannot be trusted against the server's clock ``now``, or None.
+
+    A node whose clock runs a day ahead would look heard-from in the future (``last_step_at`` only moves forward, so
+    its run could not be reported hung for a day) and its rows would escape retention: refuse the batch and say why,
+    the node's log shows it. Behind is bounded by the retention on ``sent_at`` only: a batch sent before the oldest
+    row the server keeps is a clock set back (or a replay purged on arrival), while an old record in a fresh batch
+    (a log read from its start) is harmless and simply ages out."""
+    from django.conf import settings
+
+    ahead = float(settings.CLUSTERDX["INGEST_MAX_FUTURE_S"])
+    for path, ts in wire.timestamps(wire.Batch, batch):
+        if ts > now + ahead:
+            return (f"{path}: {ts - now:.0f} s ahead of the server's clock (limit {ahead:g} s, "
+                    "CLUSTERDX_INGEST_MAX_FUTURE_S); check the node's time sync (chrony, ntpd)")
+    retention_h = float(settings.CLUSTERDX["RETENTION_HOURS"])
+    if batch["sent_at"] < now - retention_h * 3600:
+        return (f"sent_at: sent {(now - batch['sent_at']) / 3600:.0f} h ago, beyond the retention of {retention_h:g} h; "
+                "check the node's time sync")
+    return None
 
 
 def _read_body(request: HttpRequest, limit: int) -> bytes | None:
@@ -103,12 +127,20 @@ def handle_body(headers: Mapping[str, str], body: bytes | None, limit: int) -> A
     cluster = token.cluster
     if batch["cluster"] is not None and batch["cluster"] != cluster.name:
         return _refuse("wrong_cluster", f"token is for cluster {cluster.name!r}, batch names {batch['cluster']!r}")
+    skew = clock_skew(batch, time.time())
+    if skew is not None:
+        return _refuse("clock_skew", skew)
     try:
         tokens.mark_used(token)
-        result = store_batch(cluster, batch)
+        # Producers resend a batch byte for byte (the agent its spooled body): the same seq with other bytes is a
+        # reused seq. The body's hash costs 1/50 of validating it; a canonical re-encoding would cost half as much.
+        result = store_batch(cluster, batch, hashlib.sha256(body).hexdigest())
     except DatabaseError as exc:
         log.warning("ingest: database unavailable for %s seq %s: %s", batch["agent_id"], batch["seq"], exc)
         return _refuse("unavailable", "database unavailable; the batch was not stored, retry it")
+    if result.status == "seq_reused":
+        return _refuse("seq_reused", f"seq {batch['seq']} of {batch['agent_id']} was already stored with other content; "
+                                     "renumber the batch (a seq this agent never used) and send it again")
     return 200, {"status": result.status, "seq": batch["seq"], "records": result.records}, {}
 
 

@@ -17,6 +17,7 @@ from django.db.models import Q
 from clusterdx import wire
 from dashboard.live.publish import publish_batch
 from dashboard.telemetry import models as m
+from dashboard.telemetry.tasks import purged_through
 
 # Wire field -> column copies. Wire fields handled elsewhere (inventory, ids, timestamps) are listed as exceptions;
 # tests/server/test_wire_columns.py fails when a wire field has neither a column nor an exception, so a field added
@@ -47,9 +48,8 @@ RUN_ADVANCE_EVERY_S = 1.0
 
 @dataclass(frozen=True)
 class Stored:
-    status: str  # "accepted" | "duplicate"
+    status: str  # "accepted" | "duplicate" | "seq_reused" (the seq is stored with other content: nothing written)
     records: int
-
 
 def _dt(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, tz=UTC)
@@ -138,29 +138,40 @@ def clear_caches() -> None:
     inventory.clear()
 
 
-def store_batch(cluster: m.Cluster, batch: dict[str, Any]) -> Stored:
+def store_batch(cluster: m.Cluster, batch: dict[str, Any], digest: str = "") -> Stored:
+    """Store a validated batch once per (agent_id, seq). ``digest`` identifies its content (the ingest view passes
+    a SHA-256 of the JSON body): the seq again with another digest is ``seq_reused``, not a duplicate."""
     try:
-        return _store(cluster, batch)
+        return _store(cluster, batch, digest)
     except IntegrityError:
         # A cached id may point at a row deleted meanwhile (a node or run removed): forget and try once more.
         clear_caches()
-        return _store(cluster, batch)
+        return _store(cluster, batch, digest)
 
 
-def _store(cluster: m.Cluster, batch: dict[str, Any]) -> Stored:
+def _store(cluster: m.Cluster, batch: dict[str, Any], digest: str) -> Stored:
     received = datetime.now(tz=UTC)
     with transaction.atomic():
         records = _count(batch)
+        if purged_through(cluster.id, batch["agent_id"], batch["seq"]):
+            return Stored("duplicate", 0)  # a late retry whose record retention has purged: never stored twice
         try:
             with transaction.atomic():
                 m.AgentBatch.objects.create(
                     cluster=cluster, agent_id=batch["agent_id"], seq=batch["seq"], host=batch["host"],
                     received_at=received, sent_at=_dt(batch["sent_at"]), dropped=batch["dropped"], records=records,
+                    digest=digest,
                 )
         except IntegrityError:
-            if m.AgentBatch.objects.filter(cluster=cluster, agent_id=batch["agent_id"], seq=batch["seq"]).exists():
-                return Stored("duplicate", 0)
-            raise
+            same_seq = m.AgentBatch.objects.filter(cluster=cluster, agent_id=batch["agent_id"], seq=batch["seq"])
+            stored = same_seq.values_list("digest", flat=True).first()
+            if stored is None:
+                raise
+            # Another content under a stored seq: the producer's counter went back (an OS crash rolled its spool
+            # back). Answering "duplicate" would make it delete real data; without both digests ("": a row from
+            # before migration 0004, an in-process caller) nothing can be told, and a repeat stays a duplicate.
+            return Stored("seq_reused" if stored and digest and stored != digest else "duplicate", 0)
+        batch = _with_gap_event(batch, received)
         node_id = inventory.node_id(cluster, batch["host"], batch["agent_id"])
         inventory.touch_node(node_id, received)
         inventory.place_node(node_id, batch["topology"])
@@ -170,6 +181,28 @@ def _store(cluster: m.Cluster, batch: dict[str, Any]) -> Stored:
         _advance_runs(batch["steps"], runs)
         transaction.on_commit(lambda: publish_batch(cluster.id, batch["host"], batch, runs))
     return Stored("accepted", records)
+
+
+# Drop reasons that count whole batches the agent could not keep (the rest count records): each report of them
+# becomes a warning event of the node, so a gap in its data is explained on its pages and in the events stream.
+BATCH_LOSSES = {"disk_full": "disk full", "spool_full": "spool full", "spool_overflow": "spool full",
+                "spool_error": "spool error", "server_rejected": "rejected by the server"}
+
+
+def _with_gap_event(batch: dict[str, Any], received: datetime) -> dict[str, Any]:
+    lost = {r: n for r, n in (batch["dropped"] or {}).items() if r in BATCH_LOSSES and n > 0}
+    if not lost:
+        return batch
+    by_label: dict[str, int] = {}
+    for reason, n in lost.items():
+        by_label[BATCH_LOSSES[reason]] = by_label.get(BATCH_LOSSES[reason], 0) + n
+    total = sum(lost.values())
+    why = next(iter(by_label)) if len(by_label) == 1 else ", ".join(f"{k} {n}" for k, n in sorted(by_label.items()))
+    event = wire.validate(wire.Event, {
+        "ts": received.timestamp(), "kind": "agent", "severity": "warning",
+        "message": f"agent {batch['host']} dropped {total} batch{'es' if total != 1 else ''}: {why}",
+        "data": {r: str(n) for r, n in lost.items()}})
+    return {**batch, "events": [*batch["events"], event]}
 
 
 def _run_ids(cluster: m.Cluster, batch: dict[str, Any]) -> dict[str, int]:

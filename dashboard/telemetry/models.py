@@ -106,6 +106,9 @@ class AgentBatch(models.Model):
     sent_at = models.DateTimeField(null=True)  # the producer's clock: received - sent shows transit delay or skew
     records = models.PositiveIntegerField(default=0)
     dropped = models.JSONField(null=True)
+    # SHA-256 of the content (dashboard.ingest.writer.digest): a repeat of this seq with another digest is a reused
+    # seq (409), not a duplicate. Empty on rows stored before digests existed.
+    digest = models.CharField(max_length=64, blank=True, default="")
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["cluster", "agent_id", "seq"], name="batch_unique_seq")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 from typing import Any
 
 import httpx
@@ -14,7 +15,9 @@ from tests.server.conftest import AsgiServer, World, make_batch
 
 
 def cases(token: str, other: str) -> list[tuple[str, dict[str, str], bytes]]:
-    good = json.dumps(make_batch(seq=5)).encode()
+    batch = make_batch(seq=5)
+    good = json.dumps(batch).encode()
+    reused = json.dumps({**batch, "gpus": batch["gpus"][:1]}).encode()  # seq 5 again, with other content
     auth = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
     return [
         ("GET", auth, b""),
@@ -30,6 +33,8 @@ def cases(token: str, other: str) -> list[tuple[str, dict[str, str], bytes]]:
         ("POST", auth, b" " * 9_000_000),
         ("POST", {**auth, "Content-Type": "application/json; charset=utf-8"}, good),
         ("POST", auth, good),  # the same batch again: a duplicate
+        ("POST", auth, reused),
+        ("POST", auth, json.dumps(make_batch(seq=6, sent_at=time.time() + 86_400)).encode()),  # a clock a day ahead
     ]
 
 
@@ -39,8 +44,8 @@ def test_the_fast_path_answers_as_the_django_view(asgi_server: AsgiServer, world
         for method, headers, body in cases(world.token, world.other_token):
             r = http.request(method, "/api/v1/ingest", headers=headers, content=body)
             fast.append((r.status_code, r.json().get("error") or r.json().get("status")))
-    assert [s for s, _ in fast] == [405, 415, 415, 401, 401, 403, 400, 400, 400, 413, 413, 200, 200]
-    assert fast[-2:] == [(200, "accepted"), (200, "duplicate")]
+    assert [s for s, _ in fast] == [405, 415, 415, 401, 401, 403, 400, 400, 400, 413, 413, 200, 200, 409, 400]
+    assert fast[-4:] == [(200, "accepted"), (200, "duplicate"), (409, "seq_reused"), (400, "clock_skew")]
     assert m.AgentBatch.objects.count() == 1
 
     m.AgentBatch.objects.all().delete()
