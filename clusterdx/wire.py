@@ -211,6 +211,9 @@ class PortSample(Record):
 
 
 EventKind = Literal["xid", "nccl", "kmsg", "error", "watchdog", "checkpoint", "agent", "hook"]
+# The kinds a training process reports (trainer_hooks): all a hook datagram or a hook token may carry. The rest
+# (an Xid, a kernel line) speak for the node and page the on-call; only its agent may send them.
+HOOK_EVENT_KINDS = ("checkpoint", "error", "hook")
 
 
 class Event(Record):

@@ -142,9 +142,36 @@ def _sources(value: Any, known: tuple[str, ...], problems: list[str]) -> dict[st
             problems.append(f"sources.{name}: expected a table ([sources.{name}])")
         elif "enabled" in table and type(table["enabled"]) is not bool:
             problems.append(f"sources.{name}.enabled: expected true or false, got {table['enabled']!r}")
+        elif name == "hooks" and not _hooks_ok(table, problems):
+            continue
         else:
             out[name] = dict(table)
     return out
+
+
+def _hooks_ok(table: dict[str, Any], problems: list[str]) -> bool:
+    """The hook socket on a non-loopback address lets anyone who reaches the node send records as its training
+    jobs: that takes an explicit ``allow_remote = true``, never a default or a copied example."""
+    from collectors.agent.hooks import is_loopback, parse_addr
+
+    allow = table.get("allow_remote", False)
+    if type(allow) is not bool:
+        problems.append(f"sources.hooks.allow_remote: expected true or false, got {allow!r}")
+        return False
+    addr = table.get("addr")
+    if not isinstance(addr, str) or allow or table.get("enabled") is False:
+        return True  # a wrong type is the source's own options check to report
+    try:
+        host = parse_addr(addr)[0]
+    except ValueError as exc:
+        problems.append(f"sources.hooks.addr: {exc}")
+        return False
+    if is_loopback(host):
+        return True
+    problems.append(f"sources.hooks.addr: {host} is not a loopback address, so any machine that reaches this node "
+                    "could send records as its training jobs; keep 127.0.0.1:8650 (pods on the host network reach "
+                    "it) or set allow_remote = true and firewall the port")
+    return False
 
 
 def _topology(table: Any, environ: Mapping[str, str], problems: list[str]) -> dict[str, str]:

@@ -7,11 +7,19 @@ cumulative per process, so the agent forwards their increase, by reason, prefixe
 
 Anything on the node can write to this socket, so a datagram is checked here as strictly as the server checks a
 batch: one that the server would refuse (a lone surrogate, an integer beyond its column, a time far ahead of the
-clock this node shares with its hooks) would cost the agent's whole batch, GPU samples included.
+clock this node shares with its hooks) would cost the agent's whole batch, GPU samples included. A datagram may
+carry only the events a training process reports (``wire.HOOK_EVENT_KINDS``): an Xid or kernel event from it would
+speak for the node, and page the on-call, with the agent's own authority.
+
+It listens on loopback by default and takes datagrams only from loopback sources: Linux delivers a datagram sent
+from another address to 127.0.0.1 (from the node's own addresses always, and from the network where
+``route_localnet`` is set, as kube-proxy does). A non-loopback address (``0.0.0.0`` for pods that are not on the
+host network) takes ``allow_remote = true``: then anyone who reaches the port can send, so firewall it.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import re
@@ -37,6 +45,25 @@ def parse_addr(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address as parse_addr returns it, or 'localhost') is the node's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a name: it resolves to who knows what, so it is not trusted as loopback
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 from a dual-stack socket
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def _check_events(gram: dict[str, Any]) -> None:
+    for i, event in enumerate(gram["events"]):
+        if event["kind"] not in wire.HOOK_EVENT_KINDS:
+            raise wire.WireError(f"events[{i}].kind", f"{event['kind']!r} is not a training process's event "
+                                                      f"(only {', '.join(wire.HOOK_EVENT_KINDS)})")
+
+
 def _check_clock(gram: dict[str, Any], now: float) -> None:
     for path, ts in wire.timestamps(wire.HookDatagram, gram):
         if ts > now + wire.MAX_FUTURE_S:
@@ -47,8 +74,10 @@ class HookSource:
     name = "hooks"
 
     def __init__(self, *, addr: str = "{}:{}".format(*wire.LOCAL_HOOK_ADDR), max_steps: int = 10_000,
-                 max_events: int = 5_000, max_runs: int = 512, max_beats: int = 4_096) -> None:
+                 max_events: int = 5_000, max_runs: int = 512, max_beats: int = 4_096,
+                 allow_remote: bool = False) -> None:
         self.addr = parse_addr(addr)
+        self.allow_remote = allow_remote
         self.limits = {"steps": max_steps, "events": max_events, "runs": max_runs, "beats": max_beats}
         self.detail = ""
         self.received = dict.fromkeys(_KINDS, 0)  # forwarded records, by kind, since start (for /metrics)
@@ -62,6 +91,11 @@ class HookSource:
         self._stop = threading.Event()
 
     def start(self) -> str | None:
+        if not is_loopback(self.addr[0]):
+            if not self.allow_remote:
+                return f"{self.addr[0]} is not a loopback address; set allow_remote = true to listen on it"
+            log.warning("the hook socket listens on %s (allow_remote = true): anyone who reaches udp port %d can "
+                        "send records as this node's training jobs; firewall it", self.addr[0], self.addr[1])
         sock = socket.socket(socket.AF_INET6 if ":" in self.addr[0] else socket.AF_INET, socket.SOCK_DGRAM)
         try:
             sock.bind(self.addr)
@@ -80,20 +114,31 @@ class HookSource:
         assert self._sock is not None
         while not self._stop.is_set():
             try:
-                data = self._sock.recv(wire.MAX_DATAGRAM_BYTES + 1)
+                data, peer = self._sock.recvfrom(wire.MAX_DATAGRAM_BYTES + 1)
             except TimeoutError:
                 continue
             except OSError:
                 return
-            self.accept(data)
+            self.accept(data, peer)
 
-    def accept(self, data: bytes) -> None:
-        """Validate one datagram and buffer its records (public so tests can feed it without a socket)."""
+    def accept(self, data: bytes, peer: tuple[Any, ...] | None = None) -> None:
+        """Validate one datagram from ``peer`` (None: in-process) and buffer its records (public so tests can feed
+        it without a socket)."""
+        if peer is not None and not self.allow_remote and not is_loopback(str(peer[0])):
+            with self._lock:
+                first = "remote" not in self._logged
+                self._logged.add("remote")
+                self._count("hook_remote_refused", 1)
+            if first:
+                log.warning("refused a datagram from %s on the hook socket (only this node's loopback may send; "
+                            "allow_remote = true to take others); further ones are only counted", peer[0])
+            return
         try:
             if len(data) > wire.MAX_DATAGRAM_BYTES:
                 raise wire.WireError("", f"datagram larger than {wire.MAX_DATAGRAM_BYTES} bytes")
             gram = wire.validate(wire.HookDatagram, json.loads(data))
             _check_clock(gram, time.time())
+            _check_events(gram)
         except ValueError as exc:  # json.JSONDecodeError and wire.WireError are both ValueErrors
             self._bad(exc)
             return

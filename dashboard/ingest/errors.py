@@ -13,6 +13,8 @@ ERRORS: dict[str, tuple[int, str]] = {
     "missing_token": (401, "no 'Authorization: Bearer <token>' header"),
     "unknown_token": (401, "the token is unknown or revoked"),
     "wrong_cluster": (403, "the token belongs to another cluster than the batch names"),
+    "token_scope": (403, "the token's scope does not allow this batch: an agent token posts only as its own node(s), "
+                         "a hook token only steps, beats, runs and the hooks' own events; detail says which"),
     "method_not_allowed": (405, "only POST is accepted"),
     "seq_reused": (409, "this (agent_id, seq) was already stored with other content (the producer's counter went "
                         "back): renumber the batch and send it again"),

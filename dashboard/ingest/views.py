@@ -127,6 +127,10 @@ def handle_body(headers: Mapping[str, str], body: bytes | None, limit: int) -> A
     cluster = token.cluster
     if batch["cluster"] is not None and batch["cluster"] != cluster.name:
         return _refuse("wrong_cluster", f"token is for cluster {cluster.name!r}, batch names {batch['cluster']!r}")
+    # Here, where token and batch meet, both doors (this view and the ASGI fast path) refuse alike.
+    scope = tokens.scope_refusal(token, batch)
+    if scope is not None:
+        return _refuse("token_scope", scope)
     skew = clock_skew(batch, time.time())
     if skew is not None:
         return _refuse("clock_skew", skew)

@@ -34,6 +34,12 @@ class IngestToken(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
+    # What the token may post (dashboard.telemetry.tokens.scope_refusal): "cluster" anything as any node (legacy,
+    # the only kind before 0005), "agent" anything but only as the nodes ``hosts`` names, "hook" only what training
+    # processes send. A stolen node or job token then cannot forge another node's Xid.
+    scope = models.CharField(max_length=8, default="cluster",
+                             choices=[("cluster", "cluster"), ("agent", "agent"), ("hook", "hook")])
+    hosts = models.CharField(max_length=1024, blank=True, default="")  # agent: host names or patterns, space-separated
 
 
 class Node(models.Model):

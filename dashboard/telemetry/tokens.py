@@ -1,14 +1,28 @@
-"""Ingest tokens: ``cdx_<prefix>_<secret>``. Only the SHA-256 of the whole token is stored."""
+"""Ingest tokens: ``cdx_<prefix>_<secret>``. Only the SHA-256 of the whole token is stored.
+
+A token has a scope, checked against each batch by :func:`scope_refusal`:
+
+- ``agent``: posts anything, but only as the nodes its host names or patterns (``node-*``, ``gpu-??``; fnmatch
+  syntax, case-sensitive) match. One per node is the tightest; a pattern suits a fleet that shares one token.
+- ``hook``: what training processes post directly: steps, beats, run metadata and the hooks' own events
+  (:data:`clusterdx.wire.HOOK_EVENT_KINDS`), never GPU, host or port samples, probes, topology or node events.
+- ``cluster``: anything as any node. The legacy scope (every token made before scopes existed); still accepted.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 import time
+from collections.abc import Iterable
+from fnmatch import fnmatchcase
+from typing import Any
 
 from django.utils import timezone
 
+from clusterdx import wire
 from dashboard.telemetry.models import Cluster, IngestToken
 
 PREFIX = "cdx_"
@@ -18,12 +32,53 @@ def _digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create_token(cluster: Cluster, name: str = "") -> tuple[IngestToken, str]:
-    """Returns the row and the secret token, which exists nowhere else once this returns."""
+SCOPES = ("cluster", "agent", "hook")
+# A host name (as the wire's Hostname) with the fnmatch wildcards * ? [ ] added.
+_HOST_PATTERN = re.compile(r"[A-Za-z0-9_*?\[][A-Za-z0-9_.*?\[\]!-]{0,252}")
+
+
+def check_hosts(hosts: Iterable[str]) -> list[str]:
+    """The host names or patterns, checked; raises ValueError naming the first bad one."""
+    out = [h.strip() for h in hosts if h.strip()]
+    for host in out:
+        if not _HOST_PATTERN.fullmatch(host):
+            raise ValueError(f"{host!r} is not a host name or pattern (letters, digits, . _ - and * ? [ ])")
+    return out
+
+
+def create_token(cluster: Cluster, name: str = "", *, scope: str = "cluster",
+                 hosts: Iterable[str] = ()) -> tuple[IngestToken, str]:
+    """Returns the row and the secret token, which exists nowhere else once this returns.
+
+    ``hosts`` binds an ``agent`` token (required there, refused for the other scopes)."""
+    bound = check_hosts(hosts)
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+    if (scope == "agent") != bool(bound):
+        raise ValueError("an agent token needs host names or patterns" if scope == "agent"
+                         else f"a {scope} token is not bound to hosts")
     prefix = secrets.token_hex(6)
     token = f"{PREFIX}{prefix}_{secrets.token_urlsafe(32)}"
-    row = IngestToken.objects.create(cluster=cluster, name=name, prefix=prefix, digest=_digest(token))
+    row = IngestToken.objects.create(cluster=cluster, name=name, prefix=prefix, digest=_digest(token), scope=scope,
+                                     hosts=" ".join(bound))
     return row, token
+
+
+def scope_refusal(row: IngestToken, batch: dict[str, Any]) -> str | None:
+    """Why ``row`` may not post this (validated) batch, or None. Refused as a whole: nothing of it is stored."""
+    if row.scope == "agent":
+        patterns = row.hosts.split()
+        if not any(fnmatchcase(batch["host"], p) for p in patterns):
+            return f"this token may only post as {' or '.join(patterns)}"
+    elif row.scope == "hook":
+        for key in ("gpus", "hosts", "ports", "probes", "topology"):
+            if batch[key]:
+                return f"a hook token may not send {key}"
+        for event in batch["events"]:
+            if event["kind"] not in wire.HOOK_EVENT_KINDS:
+                return (f"a hook token may not send events of kind {event['kind']!r} "
+                        f"(only {', '.join(wire.HOOK_EVENT_KINDS)})")
+    return None
 
 
 # digest -> (row, checked at). Every node posts every second: a database round trip per request only to learn that
