@@ -46,6 +46,12 @@ def _visible_run(user: Any, run_id: int) -> Run | None:
     return run if run is not None and run.cluster.visible_to(user) else None
 
 
+def _id(text: str) -> int | None:
+    """``text`` as a database id, or None: ``str.isdigit`` also accepts "²" (which ``int`` refuses) and 5,000-digit
+    strings (over Python's conversion limit); 18 digits are below every id column's maximum."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
+
+
 class _Bad(ValueError):
     """A filter value the API cannot use: answered 400 with the message."""
 
@@ -83,15 +89,16 @@ def _filtered(request: HttpRequest) -> Any:
     qs = Finding.objects.filter(cluster__in=visible)
     if q.get("cluster"):
         name = q["cluster"]
-        match = Q(name=name) | (Q(id=int(name)) if name.isdigit() else Q(pk__in=[]))
+        match = Q(name=name) | (Q(id=_id(name)) if _id(name) is not None else Q(pk__in=[]))
         cluster = visible.filter(match).first()
         if cluster is None:
             raise Http404("no such cluster")
         qs = qs.filter(cluster=cluster)
     if q.get("run"):
-        if not q["run"].isdigit():
+        run_id = _id(q["run"])
+        if run_id is None:
             raise _Bad(f"run must be a run id (an integer), got {q['run'][:40]!r}")
-        run = _visible_run(request.user, int(q["run"]))
+        run = _visible_run(request.user, run_id)
         if run is None:
             raise Http404("no such run")
         # A run's findings: its own, and those of the nodes its ranks run on (a dead node, a failing GPU).

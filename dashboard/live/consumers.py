@@ -104,6 +104,11 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         for group in getattr(self, "groups_joined", []):
             await self.channel_layer.group_discard(group, self.channel_name)
 
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any) -> None:
+        """The stream is server to client only: a client's frame is dropped unread. (The JSON base class would parse
+        it, and a frame that is not JSON raised out of the consumer, which skips ``disconnect``: the flusher task and
+        the group memberships were left behind for every such socket.)"""
+
     async def live_event(self, message: dict[str, Any]) -> None:
         event = message["event"]
         kind = event["type"]

@@ -7,6 +7,7 @@ from the websocket (GPU numbers, findings, events) and re-reads the API every fe
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from datetime import UTC, datetime
@@ -90,9 +91,12 @@ def _float_param(request: HttpRequest, name: str) -> float | None:
     if raw in (None, ""):
         return None
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
-        raise BadRequest(f"{name} must be epoch seconds, got {raw[:40]!r}") from None
+        value = math.nan
+    if not 0 <= value < 1e11:  # NaN, infinities and far-off times have no datetime: a 400, not a 500
+        raise BadRequest(f"{name} must be epoch seconds, got {raw[:40]!r}")
+    return value
 
 
 @api
