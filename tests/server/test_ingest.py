@@ -171,3 +171,17 @@ def test_it_records_run_metadata_per_rank(client: Any, world: World) -> None:
     assert rank.meta["dataloader"]["num_workers"] == 2
     run = rank.run
     assert run.world_size == 16 and run.meta["peak_flops"] == 989e12 and run.meta["versions"] == {"nccl": "2.27.3"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_live_layer_that_is_down_never_fails_a_stored_batch(client: Any, world: World, monkeypatch: Any) -> None:
+    """Redis restarting: the batch is committed before the live update runs, so the agent gets its 200 (a 500 made it
+    retry into a "duplicate" while the live view never saw the batch)."""
+    from dashboard.live import publish
+    from dashboard.live.state import RedisState
+
+    dead = RedisState("redis://127.0.0.1:1/0", "cdx-dead")  # a real client; nothing listens on port 1
+    monkeypatch.setattr(publish, "get_state", lambda: dead)
+    r = post(client, make_batch(seq=0), world.token)
+    assert (r.status_code, r.json()["status"]) == (200, "accepted")
+    assert m.AgentBatch.objects.filter(cluster=world.cluster, seq=0).count() == 1
