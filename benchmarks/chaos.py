@@ -9,8 +9,10 @@ started here (``initdb`` + ``pg_ctl``, ``redis-server``) on free ports, so resta
     python benchmarks/chaos.py --faults server,postgres --seconds 40 --agents 2 --json out.json
 
 Prints one row per fault: batches spooled / acknowledged (2xx) / stored / refused (poison, expected) / lost /
-duplicated, and the time from healing the fault until every agent has delivered again and its spool is empty.
-Exit status 1 when a goal is missed: 0 lost, 0 duplicated, recovery under 10 s.
+duplicated, the time from healing the fault until every agent has delivered again and its spool is empty, and the
+alerts expected / delivered / duplicated: each fault opens one failing_gpu finding (an Xid 79 sent while the part is
+down) that must reach the suite's webhook receiver exactly once (:mod:`benchmarks.chaos_alerts`).
+Exit status 1 when a goal is missed: 0 lost, 0 duplicated, recovery under 10 s, every alert delivered exactly once.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import chaos_alerts as alerts  # noqa: E402
 from clusterdx import wire  # noqa: E402
 from collectors.agent.delivery import Backoff, Outcome, Poster, Sender  # noqa: E402
 from collectors.agent.hooks import HookSource  # noqa: E402
@@ -155,7 +158,7 @@ class Clusterdx:
         self.base = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, "DATABASE_URL": pg.url, "REDIS_URL": redis.url, "CLUSTERDX_REDIS_PREFIX": "chaos",
                     "CLUSTERDX_DATA_DIR": str(tmp / "data"), "DJANGO_SETTINGS_MODULE": "dashboard.settings",
-                    "PYTHONPATH": str(ROOT)}
+                    "PYTHONPATH": str(ROOT), **alerts.ALERT_ENV}
         self.server: subprocess.Popen[bytes] | None = None
         self.worker: subprocess.Popen[bytes] | None = None
 
@@ -256,6 +259,13 @@ class Agent:
                 self.poison.add(seq)
         self.sender.wake()
 
+    def put_events(self, phase: str, events: list[dict[str, Any]]) -> None:
+        seq = self.spool.put({"v": 1, "agent_id": self.name, "host": self.name, "sent_at": time.time(),
+                              "events": events})
+        with self.lock:
+            self.sent[seq] = (phase, 0, len(events))
+        self.sender.wake()
+
     def put_poison(self, phase: str, batch: dict[str, Any]) -> None:
         """Spool a batch the agent's own checks would have stopped, as a buggy or older agent might."""
         seq = self.spool.put({"v": 1, "agent_id": self.name, "host": self.name, "sent_at": time.time(), **batch})
@@ -313,6 +323,8 @@ class Suite:
         self.phase = "warm-up"
         self.stop = threading.Event()
         self.good_steps = 0  # step records sent in valid hook datagrams
+        self.receiver = alerts.AlertReceiver()
+        self.xid_subjects: dict[str, str] = {}  # fault -> the subject of the finding it opens
 
     def start(self) -> None:
         log(f"PostgreSQL on :{self.pg.port}, Redis on :{self.redis.port} (private instances in {self.tmp})")
@@ -322,6 +334,7 @@ class Suite:
         self.app.start_server()
         self.app.start_worker()
         token = self.app.token()
+        alerts.register(self.app.env, self.tmp, "chaos", self.receiver.url)
         for i in range(self.args.agents):
             agent = Agent(f"chaos-{i:02d}", Spool(self.tmp / "spools" / f"{i}.db"))
             agent.connect(self.app.base, token)
@@ -340,6 +353,12 @@ class Suite:
                 agent.tick(self.phase, now)
             self.stop.wait(max(0.0, nxt - time.monotonic()))
 
+    def open_finding(self, fault: str) -> None:
+        """An Xid 79 on a GPU index of this fault's own, sent while the part is down: its alert crosses the fault."""
+        gpu = FAULTS.index(fault)
+        self.agents[0].put_events(fault, [alerts.xid_event(time.time(), gpu)])
+        self.xid_subjects[fault] = f"{self.agents[0].name}/gpu{gpu}"
+
     def inject(self, fault: str) -> Phase:
         """Break ``fault`` for --fault-seconds, heal it, and wait until every agent has delivered again."""
         self.phase = fault
@@ -348,25 +367,30 @@ class Suite:
         # "healed" is when the restart begins: the recovery time includes the component's own start-up
         if fault == "server":
             kill_group(self.app.server)
+            self.open_finding(fault)
             time.sleep(hold)
             healed = time.time()
             self.app.start_server(migrate=False)
         elif fault == "postgres":
             self.pg._run("pg_ctl", "-D", str(self.pg.dir / "data"), "stop", "-m", "immediate", "-w")
+            self.open_finding(fault)
             time.sleep(hold)
             healed = time.time()
             self.pg._ctl("start")
         elif fault == "redis":
             kill_group(self.redis.proc)
+            self.open_finding(fault)
             time.sleep(hold)
             healed = time.time()
             self.redis.start()
         elif fault == "worker":
             kill_group(self.app.worker)
+            self.open_finding(fault)
             time.sleep(hold)
             healed = time.time()
             self.app.start_worker()
         elif fault == "poison":
+            self.open_finding(fault)
             self._poison(hold)
             healed = time.time()
         else:
@@ -375,6 +399,7 @@ class Suite:
             skewed = self.agents[-1]
             with skewed.lock:
                 skewed.clock_offset_s = 86_400.0
+            self.open_finding(fault)
             time.sleep(hold / 2)
             with skewed.lock:
                 skewed.clock_offset_s = -3_600.0
@@ -441,6 +466,7 @@ class Suite:
 
     def close(self) -> None:
         self.stop.set()
+        self.receiver.stop()
         for agent in self.agents:
             with contextlib.suppress(Exception):
                 agent.sender._stop.set()
@@ -486,6 +512,16 @@ def account(suite: Suite, phases: list[Phase]) -> tuple[list[dict[str, Any]], li
                 rows["drain"]["duplicated"] += extra
     if step_rows != suite.good_steps:
         problems.append(f"hook steps: {suite.good_steps} sent in valid datagrams, {step_rows} stored")
+    owed = alerts.wait_delivered(suite.receiver, suite.pg.url, list(suite.xid_subjects.values()))
+    for name, row in rows.items():
+        subject = suite.xid_subjects.get(name)
+        ids = owed.get(subject, []) if subject else []
+        row["alerts_expected"], row["alerts_delivered"], row["alerts_duplicated"] = alerts.tally(suite.receiver, ids)
+        if subject and not ids:
+            problems.append(f"{name}: the Xid 79 on {subject} opened no failing_gpu finding")
+        if row["alerts_delivered"] != row["alerts_expected"] or row["alerts_duplicated"]:
+            problems.append(f"{name}: {row['alerts_expected']} alert(s) expected, {row['alerts_delivered']} "
+                            f"delivered, {row['alerts_duplicated']} duplicated")
     out = []
     for name, row in rows.items():
         ph = next((p for p in phases if p.fault == name), None)
@@ -497,12 +533,14 @@ def account(suite: Suite, phases: list[Phase]) -> tuple[list[dict[str, Any]], li
 
 
 def print_table(rows: list[dict[str, Any]], skipped: dict[str, str]) -> None:
-    head = f"{'fault':<10} {'sent':>6} {'acked':>6} {'stored':>6} {'refused':>7} {'lost':>5} {'dup':>4} {'recover':>8}"
+    head = (f"{'fault':<10} {'sent':>6} {'acked':>6} {'stored':>6} {'refused':>7} {'lost':>5} {'dup':>4} "
+            f"{'recover':>8} {'alerts exp':>10} {'dlv':>4} {'dup':>4}")
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
         rec = "-" if r["recovery_s"] is None else f"{r['recovery_s']:.1f} s"
         print(f"{r['fault']:<10} {r['sent']:>6} {r['acked']:>6} {r['stored']:>6} {r['refused']:>7} {r['lost']:>5} "
-              f"{r['duplicated']:>4} {rec:>8}")
+              f"{r['duplicated']:>4} {rec:>8} {r['alerts_expected']:>10} {r['alerts_delivered']:>4} "
+              f"{r['alerts_duplicated']:>4}")
     for fault, why in skipped.items():
         print(f"{fault}: {why}")
 
@@ -558,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"rows": rows, "problems": problems, "skipped": skipped}, indent=1))
     for problem in problems[:30]:
         print("MISSED:", problem)
-    print("\nall goals met: 0 lost, 0 duplicated, recovery < 10 s" if not problems else
+    print("\nall goals met: 0 lost, 0 duplicated, recovery < 10 s, every alert delivered once" if not problems else
           f"\n{len(problems)} goal(s) missed")
     return 1 if problems else 0
 

@@ -1,6 +1,7 @@
 """One representative case of the fault suite (benchmarks/chaos.py, issue 12): real agents (the agent's spool and
 delivery) stream into a real server on a private PostgreSQL + Redis with a Celery worker and beat; the server is
-SIGKILLed and restarted; every spooled batch must be stored exactly once.
+SIGKILLed and restarted; every spooled batch must be stored exactly once, and the Xid finding opened while the
+server was down must reach the suite's webhook receiver exactly once.
 
 The suite starts its own PostgreSQL (initdb + pg_ctl) and Redis on free ports, so it needs their binaries, not the
 shared services; where they are missing the test is skipped with the reason (a failure under CI=true)."""
@@ -43,4 +44,6 @@ def test_a_killed_server_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     assert sum(row["lost"] for row in rows.values()) == 0
     assert sum(row["duplicated"] for row in rows.values()) == 0
     assert server["recovery_s"] is not None
+    assert server["alerts_expected"] == 1, proc.stdout[-3000:]
+    assert server["alerts_delivered"] == 1 and server["alerts_duplicated"] == 0, proc.stdout[-3000:]
     assert proc.returncode == 0, proc.stdout[-3000:]
