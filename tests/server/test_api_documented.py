@@ -8,11 +8,11 @@ from typing import Any
 from django.urls import URLPattern, URLResolver, get_resolver
 
 
-def _routes(patterns: list[Any], prefix: str = "") -> list[str]:
+def url_routes(patterns: list[Any], prefix: str = "") -> list[str]:
     out = []
     for p in patterns:
         if isinstance(p, URLResolver):
-            out += _routes(p.url_patterns, prefix + str(p.pattern))
+            out += url_routes(p.url_patterns, prefix + str(p.pattern))
         elif isinstance(p, URLPattern):
             out.append(prefix + str(p.pattern))
     return out
@@ -24,7 +24,7 @@ def _as_openapi(route: str) -> str:
 
 
 def test_it_documents_every_api_route(client: Any) -> None:
-    routes = {_as_openapi(r) for r in _routes(get_resolver().url_patterns) if r.startswith("api/v1/")}
+    routes = {_as_openapi(r) for r in url_routes(get_resolver().url_patterns) if r.startswith("api/v1/")}
     documented = set(client.get("/api/openapi.json").json()["paths"])
     assert len(routes) >= 3, routes
     assert routes - documented == set(), "API routes missing from the OpenAPI document"

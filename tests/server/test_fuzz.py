@@ -22,7 +22,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 from django.test import Client
-from django.urls import URLPattern, URLResolver, get_resolver
+from django.urls import get_resolver
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -33,6 +33,7 @@ from collectors.doctor import KINDS
 from dashboard.ingest.errors import ERRORS
 from dashboard.telemetry.models import Run
 from tests.server.conftest import AsgiServer, World, make_batch, session_cookie
+from tests.server.test_api_documented import url_routes
 
 FAST, SLOW = 40, 400  # examples per door: the default run, and the `slow` one
 STALL_BOUND_S = 3.0  # the goal is 1 s; the machine is shared with other jobs, so the assertion is generous
@@ -276,19 +277,9 @@ def test_ingest_refuses_broken_batches_with_a_documented_4xx(variant: str, world
 
 
 # -- pages and APIs -----------------------------------------------------------------------------------------------
-def _routes(patterns: list[Any], prefix: str = "") -> list[str]:
-    out: list[str] = []
-    for p in patterns:
-        if isinstance(p, URLResolver):
-            out += _routes(p.url_patterns, prefix + str(p.pattern))
-        elif isinstance(p, URLPattern):
-            out.append(prefix + str(p.pattern))
-    return out
-
-
 def _get_routes() -> list[str]:
     """Every URL pattern but the ingest door (fuzzed above) and logout (it signs the fuzzing session out)."""
-    return sorted(r for r in _routes(get_resolver().url_patterns) if r not in ("api/v1/ingest", "logout/"))
+    return sorted(r for r in url_routes(get_resolver().url_patterns) if r not in ("api/v1/ingest", "logout/"))
 
 
 HOSTILE_SEGMENTS = st.one_of(

@@ -1,21 +1,11 @@
 // One link's page: the pair's probe RTT (median and p99), bandwidth and loss in both directions on one time axis,
 // each against the line the diagnosis judges it by (dashed), and the host CPU at both ends (a busy CPU delays
 // user-space pings with nothing wrong on the wire). Refreshed every 10 s while the range ends now.
-import {$, age, esc, getJSON, link, pageData} from "./lib/fmt.js";
+import {$, age, esc, link, pageData} from "./lib/fmt.js";
 import {COLORS, bandTraces, hline, layout, react, timeAxis, toDates} from "./lib/chart.js";
-import {isLive, rangePicker, rangeQuery} from "./lib/range.js";
+import {pollRange} from "./lib/poll.js";
 
 const page = pageData();
-const REFRESH_MS = 10000;
-let range = rangePicker($("range"), (r) => { range = r; load(); }, "1h");
-let timer = null;
-let loads = 0;
-
-function pill(text, cls) {
-  const el = $("live-status");
-  el.textContent = text;
-  el.className = "pill " + cls;
-}
 
 // hline() gives {shape, annotation} pairs; a layout wants them as two lists.
 function lines(...hl) {
@@ -65,18 +55,4 @@ function draw(d) {
     `${th.baseline_bw_gbps ?? "–"} Gb/s across the cluster · updated ${new Date().toLocaleTimeString()}`;
 }
 
-async function load() {
-  clearTimeout(timer);
-  try {
-    draw(await getJSON(`${page.api}?${rangeQuery(range)}`));
-    loads += 1;
-    document.body.dataset.loads = String(loads);
-    pill(isLive(range) ? "live" : "fixed range", isLive(range) ? "ok" : "");
-  } catch (err) {
-    pill("error", "bad");
-    console.warn(err);
-  }
-  if (isLive(range)) timer = setTimeout(load, REFRESH_MS);
-}
-
-load();
+pollRange(page.api, draw, "1h");

@@ -1,22 +1,13 @@
 // The link matrix: node x node heatmaps of probe RTT and bulk bandwidth, nodes ordered by switch / rack with
 // separators between the groups, the diagnosis's bad pairs outlined, open network findings on top. A cell opens that
 // pair's link page. The API sends the matrix sparse (coordinate lists); it is filled into a grid here.
-import {$, age, esc, fmt, getJSON, link, pageData} from "./lib/fmt.js";
+import {$, age, esc, fmt, link, pageData} from "./lib/fmt.js";
 import {CONFIG, layout, react} from "./lib/chart.js";
-import {isLive, rangePicker, rangeQuery} from "./lib/range.js";
+import {pollRange} from "./lib/poll.js";
+import {rangeQuery} from "./lib/range.js";
 
 const page = pageData();
-const REFRESH_MS = 10000;
 const BIG = 600; // beyond this many nodes a dense heatmap grid costs more than square WebGL markers per probed pair
-let range = rangePicker($("range"), (r) => { range = r; load(); }, "15m");
-let timer = null;
-let loads = 0;
-
-function pill(text, cls) {
-  const el = $("live-status");
-  el.textContent = text;
-  el.className = "pill " + cls;
-}
 
 // Separators between switch / rack groups, and tick labels at each group's first node.
 function groupShapes(m) {
@@ -97,7 +88,7 @@ function drawMatrix(id, m, hosts, field, unit, colorscale, reverse, shapes) {
       const pt = ev.points && ev.points[0];
       if (!pt || pt.y === pt.x || (pt.data.type === "heatmap" && pt.z === null)) return;
       const url = el._pairUrl.replace("{a}", encodeURIComponent(pt.y)).replace("{b}", encodeURIComponent(pt.x));
-      location.href = `${url}?${rangeQuery(range)}`;
+      location.href = `${url}?${rangeQuery(shown())}`;
     });
   }
   el._pairUrl = m.pair_url;
@@ -121,7 +112,7 @@ function drawBad(m) {
   const rows = m.bad.slice(0, 200).map((b) => `<tr><td>${link(nodeUrl.get(b.from), b.from)}</td>` +
     `<td>${link(nodeUrl.get(b.to), b.to)}</td><td>${esc(b.why.join(", "))}</td><td class="num">${fmt(b.rtt_ms, 3)}</td>` +
     `<td class="num">${fmt(b.bw_gbps, 1)}</td><td class="num">${b.loss === null ? "–" : Math.round(b.loss * 100) + "%"}</td>` +
-    `<td>${link(b.url + "?" + rangeQuery(range), "series")}</td></tr>`).join("");
+    `<td>${link(b.url + "?" + rangeQuery(shown()), "series")}</td></tr>`).join("");
   $("bad-pairs").innerHTML = m.bad.length ? `<table class="data"><thead><tr><th>from</th><th>to</th><th>why</th>` +
     `<th class="num">RTT ms</th><th class="num">bw Gb/s</th><th class="num">loss</th><th></th></tr></thead>` +
     `<tbody>${rows}</tbody></table>${m.bad.length > 200 ? `<p class="muted">${m.bad.length - 200} more…</p>` : ""}`
@@ -143,18 +134,4 @@ function draw(m) {
     ` · updated ${new Date().toLocaleTimeString()}`;
 }
 
-async function load() {
-  clearTimeout(timer);
-  try {
-    draw(await getJSON(`${page.api}?${rangeQuery(range)}`));
-    loads += 1;
-    document.body.dataset.loads = String(loads);
-    pill(isLive(range) ? "live" : "fixed range", isLive(range) ? "ok" : "");
-  } catch (err) {
-    pill("error", "bad");
-    console.warn(err);
-  }
-  if (isLive(range)) timer = setTimeout(load, REFRESH_MS);
-}
-
-load();
+const shown = pollRange(page.api, draw, "15m");
