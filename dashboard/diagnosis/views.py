@@ -3,7 +3,6 @@ a cluster or run exists."""
 
 from __future__ import annotations
 
-import math
 from datetime import UTC, datetime
 from functools import wraps
 from typing import Any
@@ -16,29 +15,20 @@ from dashboard.diagnosis.detectors import KINDS
 from dashboard.diagnosis.explain import explain_step
 from dashboard.diagnosis.live import finding_row
 from dashboard.diagnosis.models import SEVERITIES, Finding
-from dashboard.telemetry.models import Cluster, Node, Run
+from dashboard.telemetry.models import Node, Run
+from dashboard.web.access import BadRequest, api_error, epoch_param, visible_clusters
 
 MAX_LIMIT = 1000
-
-
-def _error(status: int, code: str, detail: str) -> JsonResponse:
-    return JsonResponse({"error": code, "detail": detail}, status=status)
 
 
 def _api_login_required(view: Any) -> Any:
     @wraps(view)
     def wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
         if not request.user.is_authenticated:
-            return _error(401, "unauthenticated", "log in first (session cookie)")
+            return api_error(401, "unauthenticated", "log in first (session cookie)")
         return view(request, *args, **kwargs)
 
     return wrapped
-
-
-def _visible(user: Any) -> Any:
-    if user.is_superuser:
-        return Cluster.objects.all()
-    return Cluster.objects.filter(members=user)
 
 
 def _visible_run(user: Any, run_id: int) -> Run | None:
@@ -52,21 +42,9 @@ def _id(text: str) -> int | None:
     return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
 
 
-class _Bad(ValueError):
-    """A filter value the API cannot use: answered 400 with the message."""
-
-
-def _epoch(q: Any, name: str) -> datetime | None:
-    raw = q.get(name)
-    if raw in (None, ""):
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise _Bad(f"{name} must be seconds since 1970, got {raw[:40]!r}") from None
-    if not math.isfinite(value) or not 0 <= value < 1e11:
-        raise _Bad(f"{name} must be seconds since 1970, got {raw[:40]!r}")
-    return datetime.fromtimestamp(value, UTC)
+def _epoch(request: HttpRequest, name: str) -> datetime | None:
+    value = epoch_param(request, name)
+    return None if value is None else datetime.fromtimestamp(value, UTC)
 
 
 def _int(q: Any, name: str, default: int, lo: int, hi: int | None = None) -> int:
@@ -76,16 +54,16 @@ def _int(q: Any, name: str, default: int, lo: int, hi: int | None = None) -> int
     try:
         value = int(raw)
     except ValueError:
-        raise _Bad(f"{name} must be an integer, got {raw[:40]!r}") from None
+        raise BadRequest(f"{name} must be an integer, got {raw[:40]!r}") from None
     if value < lo:
-        raise _Bad(f"{name} must be at least {lo}")
+        raise BadRequest(f"{name} must be at least {lo}")
     return min(value, hi) if hi is not None else value
 
 
 def _filtered(request: HttpRequest) -> Any:
-    """The findings the query asks for, of the clusters the user is a member of. Raises _Bad (400) or Http404."""
+    """The findings the query asks for, of the clusters the user is a member of. Raises BadRequest (400) or Http404."""
     q = request.GET
-    visible = _visible(request.user)
+    visible = visible_clusters(request.user)
     qs = Finding.objects.filter(cluster__in=visible)
     if q.get("cluster"):
         name = q["cluster"]
@@ -97,7 +75,7 @@ def _filtered(request: HttpRequest) -> Any:
     if q.get("run"):
         run_id = _id(q["run"])
         if run_id is None:
-            raise _Bad(f"run must be a run id (an integer), got {q['run'][:40]!r}")
+            raise BadRequest(f"run must be a run id (an integer), got {q['run'][:40]!r}")
         run = _visible_run(request.user, run_id)
         if run is None:
             raise Http404("no such run")
@@ -107,19 +85,19 @@ def _filtered(request: HttpRequest) -> Any:
         values = [v for v in q.getlist(name) if v]
         bad = [v for v in values if v not in allowed]
         if bad:
-            raise _Bad(f"{name} must be one of {', '.join(allowed)}, got {bad[0][:40]!r}")
+            raise BadRequest(f"{name} must be one of {', '.join(allowed)}, got {bad[0][:40]!r}")
         if values:
             qs = qs.filter(**{f"{name}__in": values})
     if q.get("node"):
         host = q["node"]
         nodes = Node.objects.filter(cluster__in=visible, hostname=host)
         if not nodes.exists():
-            raise _Bad(f"no node named {host[:80]!r} in your clusters")
+            raise BadRequest(f"no node named {host[:80]!r} in your clusters")
         # A node's findings: about it, its GPUs and ranks, and the links it is an end of.
         qs = qs.filter(Q(node__in=nodes) | Q(peer_node__in=nodes))
-    since, until = _epoch(q, "since"), _epoch(q, "until")
+    since, until = _epoch(request, "since"), _epoch(request, "until")
     if since and until and until <= since:
-        raise _Bad("until must be after since")
+        raise BadRequest("until must be after since")
     if since:  # still changing at or after ``since``: updated then, or open
         qs = qs.filter(Q(updated_at__gte=since) | Q(state=Finding.State.OPEN))
     if until:  # already there by ``until``
@@ -136,10 +114,10 @@ def findings(request: HttpRequest) -> JsonResponse:
         qs = _filtered(request)
         limit = _int(request.GET, "limit", 100, 1, MAX_LIMIT)
         offset = _int(request.GET, "offset", 0, 0)
-    except _Bad as exc:
-        return _error(400, "bad_request", str(exc))
+    except BadRequest as exc:
+        return api_error(400, "bad_request", str(exc))
     except Http404 as exc:
-        return _error(404, "not_found", str(exc))
+        return api_error(404, "not_found", str(exc))
     total = qs.count()
     page = qs.select_related("cluster", "node", "peer_node").order_by("-updated_at", "-id")[offset:offset + limit]
     rows = [{**finding_row(f), "cluster": f.cluster.name, "resolved_at": f.resolved_at.timestamp() if f.resolved_at
@@ -158,10 +136,10 @@ def findings(request: HttpRequest) -> JsonResponse:
 def explain(request: HttpRequest, run_id: int, step: int) -> JsonResponse:
     run = _visible_run(request.user, run_id)
     if run is None:
-        return _error(404, "not_found", "no such run")
+        return api_error(404, "not_found", "no such run")
     body = explain_step(run, step)
     if body is None:
-        return _error(404, "not_found", f"run {run_id} has no step {step}")
+        return api_error(404, "not_found", f"run {run_id} has no step {step}")
     from dashboard.web.links import gpu_url, node_url, rank_url
 
     # Every rank, node and GPU the explanation names links to its page, at any run size.

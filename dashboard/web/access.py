@@ -102,6 +102,21 @@ def api(view: Callable[..., dict[str, Any]]) -> Callable[..., HttpResponse]:
     return gzip_page(wrapped)
 
 
+def epoch_param(request: HttpRequest, name: str) -> float | None:
+    """``?name=`` as seconds since 1970, or None when absent. NaN, infinities and far-off times have no datetime: a
+    400 with the reason, never a 500."""
+    raw = request.GET.get(name)
+    if raw in (None, ""):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1e11:
+        raise BadRequest(f"{name} must be seconds since 1970, got {raw[:40]!r}")
+    return value
+
+
 def int_param(request: HttpRequest, name: str, default: int, lo: int, hi: int) -> int:
     raw = request.GET.get(name)
     if raw in (None, ""):

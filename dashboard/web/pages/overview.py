@@ -7,7 +7,6 @@ from the websocket (GPU numbers, findings, events) and re-reads the API every fe
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from datetime import UTC, datetime
@@ -21,7 +20,7 @@ from django.urls import path, reverse
 
 from dashboard.diagnosis.detectors.base import SEVERITY_RANK
 from dashboard.telemetry.models import Cluster, Event, Node, Rank, Run, StepSample
-from dashboard.web.access import BadRequest, api, cluster_or_404, int_param, visible_clusters
+from dashboard.web.access import BadRequest, api, cluster_or_404, epoch_param, int_param, visible_clusters
 from dashboard.web.links import cluster_url, findings_url, gpu_url, node_url, rank_url, run_url
 from dashboard.web.pages.overview_health import node_states
 from dashboard.web.pages.overview_runs import runs_overview
@@ -86,24 +85,11 @@ def events_page(cluster: Cluster, before: float | None, before_id: int | None, l
     return {"events": out, "next": {"before": out[-1]["ts"], "before_id": out[-1]["id"]} if more else None}
 
 
-def _float_param(request: HttpRequest, name: str) -> float | None:
-    raw = request.GET.get(name)
-    if raw in (None, ""):
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < 1e11:  # NaN, infinities and far-off times have no datetime: a 400, not a 500
-        raise BadRequest(f"{name} must be epoch seconds, got {raw[:40]!r}")
-    return value
-
-
 @api
 def events_api(request: HttpRequest, name: str) -> dict[str, Any]:
     cluster = cluster_or_404(request.user, name)
     before_id = request.GET.get("before_id")
-    return events_page(cluster, _float_param(request, "before"),
+    return events_page(cluster, epoch_param(request, "before"),
                        int_param(request, "before_id", 0, 0, 2**62) if before_id else None,
                        int_param(request, "limit", EVENTS_PAGE, 1, 500),
                        request.GET.get("min_severity") or "warning")
