@@ -136,9 +136,27 @@ class _Inventory:
 inventory = _Inventory()
 
 
+# (cluster id, agent id) -> the highest seq this process committed for it. An agent's seqs grow, and retention's
+# purged mark is an old record of the same agent, so a seq above one committed here is above the mark: the purged
+# check (a query) runs only for the first batch of an agent in this process and for retries, not for every batch.
+_committed_seq: dict[tuple[int, str], int] = {}
+
+
 def clear_caches() -> None:
     """Forget cached ids (tests roll the database back under the cache's feet)."""
     inventory.clear()
+    _committed_seq.clear()
+
+
+def _late_retry(cluster_id: int, agent_id: str, seq: int) -> bool:
+    newest = _committed_seq.get((cluster_id, agent_id))
+    return (newest is None or seq <= newest) and purged_through(cluster_id, agent_id, seq)
+
+
+def _committed(cluster_id: int, agent_id: str, seq: int) -> None:
+    key = (cluster_id, agent_id)
+    if seq > _committed_seq.get(key, -1):
+        _committed_seq[key] = seq
 
 
 def store_batch(cluster: m.Cluster, batch: dict[str, Any], digest: str = "") -> Stored:
@@ -156,7 +174,7 @@ def _store(cluster: m.Cluster, batch: dict[str, Any], digest: str) -> Stored:
     received = datetime.now(tz=UTC)
     with transaction.atomic():
         records = _count(batch)
-        if purged_through(cluster.id, batch["agent_id"], batch["seq"]):
+        if _late_retry(cluster.id, batch["agent_id"], batch["seq"]):
             return Stored("duplicate", 0)  # a late retry whose record retention has purged: never stored twice
         try:
             with transaction.atomic():
@@ -182,6 +200,7 @@ def _store(cluster: m.Cluster, batch: dict[str, Any], digest: str) -> Stored:
         _store_run_meta(cluster, node_id, batch["runs"], runs)
         _store_series(cluster, node_id, batch, runs)
         _advance_runs(batch["steps"], runs)
+        transaction.on_commit(lambda: _committed(cluster.id, batch["agent_id"], batch["seq"]))
         transaction.on_commit(lambda: _publish(cluster.id, batch["host"], batch, runs))
     return Stored("accepted", records)
 
