@@ -23,14 +23,14 @@ def _prepare(scenario_run: str) -> tuple[str, str, int]:
     from django.contrib.auth import get_user_model
 
     from dashboard.telemetry import tokens
-    from dashboard.telemetry.models import Cluster, IngestToken, Run
+    from dashboard.telemetry.models import Cluster, IngestToken, Membership, Role, Run
 
     password = secrets.token_urlsafe(9)
     user, _ = get_user_model().objects.get_or_create(username="demo")
     user.set_password(password)
     user.save()
     cluster, _ = Cluster.objects.get_or_create(name="demo")
-    cluster.members.add(user)
+    Membership.objects.update_or_create(cluster=cluster, user=user, defaults={"role": Role.OWNER})
     IngestToken.objects.filter(cluster=cluster, name="demo-simulator", revoked_at=None).delete()
     _, token = tokens.create_token(cluster, "demo-simulator")
     run, _ = Run.objects.get_or_create(cluster=cluster, name=scenario_run)

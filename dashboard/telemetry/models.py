@@ -13,7 +13,8 @@ from django.db import models
 class Cluster(models.Model):
     name = models.SlugField(max_length=64, unique=True)
     created_at = models.DateTimeField(auto_now_add=True)
-    members = models.ManyToManyField(settings.AUTH_USER_MODEL, blank=True, related_name="clusters")
+    # Who may see the cluster, and with which role (Membership.role); ``members.add(user)`` makes a plain member.
+    members = models.ManyToManyField(settings.AUTH_USER_MODEL, blank=True, related_name="clusters", through="Membership")
     # Expected interconnect, used by the NCCL checks ("socket transport on an IB cluster").
     interconnect = models.CharField(max_length=16, default="ib", choices=[("ib", "InfiniBand/RoCE"), ("eth", "Ethernet")])
 
@@ -22,6 +23,52 @@ class Cluster(models.Model):
 
     def visible_to(self, user: object) -> bool:
         return bool(getattr(user, "is_superuser", False)) or self.members.filter(pk=getattr(user, "pk", None)).exists()
+
+
+class Role(models.TextChoices):
+    """What a member may do, each role including the ones below it (dashboard.web.access.has_role)."""
+
+    VIEWER = "viewer"  # reads every page and API of the cluster
+    MEMBER = "member"  # and acknowledges / silences findings
+    OWNER = "owner"  # and changes settings, members, tokens and webhooks
+
+
+ROLE_RANK = {Role.VIEWER: 0, Role.MEMBER: 1, Role.OWNER: 2}
+
+
+class Membership(models.Model):
+    """A user's role in a cluster. The table is the one Django made for the plain ``members`` many-to-many before
+    roles existed (migration 0006 adds ``role`` to it), so every earlier membership carries over as "member"."""
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="memberships")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=8, choices=Role.choices, default=Role.MEMBER)
+
+    class Meta:
+        db_table = "telemetry_cluster_members"
+        unique_together = [("cluster", "user")]
+
+    def __str__(self) -> str:
+        return f"{self.user} {self.role} of {self.cluster}"
+
+
+class AuditEntry(models.Model):
+    """Who changed what: members, roles, tokens, webhooks, silences, cluster settings (dashboard.telemetry.audit).
+
+    The actor's name is copied so that an entry outlives the account; ``cluster`` is null for server-wide changes
+    (a user added)."""
+
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, null=True, blank=True, related_name="audit")
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True,
+                              related_name="+")
+    actor_name = models.CharField(max_length=150)  # a user name, or "cli:<os user>" for the command line
+    action = models.CharField(max_length=48)  # e.g. "member.add", "token.revoke", "silence.create"
+    target = models.CharField(max_length=255, blank=True)
+    detail = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["cluster", "-at"])]
 
 
 class IngestToken(models.Model):

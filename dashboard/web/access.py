@@ -12,17 +12,42 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
+from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.gzip import gzip_page
 
-from dashboard.telemetry.models import Cluster, Node, Run
+from dashboard.telemetry.models import ROLE_RANK, Cluster, Membership, Node, Role, Run
 
 
 def visible_clusters(user: object) -> QuerySet[Cluster]:
     if getattr(user, "is_superuser", False):
         return Cluster.objects.all()
     return Cluster.objects.filter(members=user)
+
+
+def role_of(user: object, cluster: Cluster) -> str | None:
+    """The user's role in ``cluster`` (a superuser is an owner everywhere), or None for an outsider."""
+    if not getattr(user, "is_authenticated", False):
+        return None
+    if getattr(user, "is_superuser", False):
+        return Role.OWNER
+    return Membership.objects.filter(cluster=cluster, user_id=getattr(user, "pk", None)).values_list("role", flat=True).first()
+
+
+def has_role(user: object, cluster: Cluster, minimum: str) -> bool:
+    """Whether the user holds ``minimum`` or a higher role (viewer < member < owner) in ``cluster``."""
+    role = role_of(user, cluster)
+    return role is not None and ROLE_RANK[Role(role)] >= ROLE_RANK[Role(minimum)]
+
+
+def require_role(user: object, cluster: Cluster, minimum: str) -> None:
+    """404 for an outsider (the cluster's existence stays secret), 403 for a member whose role is too low."""
+    role = role_of(user, cluster)
+    if role is None:
+        raise Http404("no such cluster")
+    if ROLE_RANK[Role(role)] < ROLE_RANK[Role(minimum)]:
+        raise PermissionDenied(f"this needs the {minimum} role in {cluster.name}; you are a {role}")
 
 
 def cluster_or_404(user: object, name: str) -> Cluster:
