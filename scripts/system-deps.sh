@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # System packages the tests use: Debian's chromium (Playwright drives it; never `playwright install`),
 # iproute2/iptables for the network-namespace testbed, a C compiler for the stand-in NVML, and caddy to validate and
-# run docker/Caddyfile (tests/server/test_docker.py).
+# run docker/Caddyfile (tests/server/test_docker.py) and to front the production smoke stack (scripts/prod-smoke.sh,
+# which also uses util-linux's unshare, setpriv and nsenter and passwd's useradd: part of every Debian base).
 # Installs only what is missing, and only as root; elsewhere the tests that need them skip with the reason.
 set -u
 need=()

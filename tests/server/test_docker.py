@@ -12,6 +12,7 @@ import inspect
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import ssl
@@ -21,6 +22,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -297,3 +299,220 @@ def test_websockets_pass_through(front: tuple) -> None:
             echoed += sock.recv(4096)
         assert echoed == b"frame bytes"
     assert StandInWeb.seen == ["/ws/live/"]
+
+
+# --- the stack as it runs: read-only app containers, a persistent broker, and every other way of running it ---------
+APP_SERVICES = ("web", "worker", "beat")
+SMOKE = ROOT / "scripts" / "prod-smoke.sh"
+SYSTEMD = ROOT / "deploy" / "systemd"
+K8S = ROOT / "deploy" / "k8s"
+# What scripts/prod-smoke.sh may set differently from compose, each for a reason given in its header.
+SMOKE_OVERRIDES = {"DATABASE_URL", "REDIS_URL", "PATH", "CLUSTERDX_ALERTS_ALLOW_PRIVATE", "CLUSTERDX_REDIS_PREFIX"}
+
+
+def image() -> dict[str, Any]:
+    """docker/Dockerfile's user (name, uid, home) and ENV: what every app container runs with besides compose's."""
+    text = (ROOT / "docker" / "Dockerfile").read_text()
+    useradd = re.search(r"useradd (.*)$", text, re.M).group(1)
+    env_block = re.search(r"^ENV ((?:.*\\\n)*.*)$", text, re.M).group(1)
+    return {"user": re.search(r"^USER (\S+)$", text, re.M).group(1), "uid": int(re.search(r"--uid (\d+)", useradd).group(1)),
+            "home": re.search(r"--home (\S+)", useradd).group(1), "env": dict(re.findall(r"([A-Z0-9_]+)=(\S+)", env_block))}
+
+
+def defaults(value: str) -> str:
+    """Compose's ${NAME:-default} with nothing set."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(value))
+
+
+def compose_env(compose: dict, name: str) -> dict[str, str]:
+    return {k: defaults(v) for k, v in compose["services"][name]["environment"].items()}
+
+
+def test_app_containers_are_read_only_and_write_only_their_volumes(compose: dict) -> None:
+    for name in APP_SERVICES:
+        service = compose["services"][name]
+        assert service["read_only"] is True and service["tmpfs"] == ["/tmp"], name
+        assert service["volumes"] == [f"data:{image()['env']['CLUSTERDX_DATA_DIR']}"], "named, so Docker copies in "\
+            "the image's directory owned by its user"
+        assert "data" in compose["volumes"]
+    beat = compose["services"]["beat"]["command"]
+    schedule = beat[beat.index("--schedule") + 1]
+    assert Path(schedule).parent == Path(image()["env"]["CLUSTERDX_DATA_DIR"]), "beat writes its schedule to the volume"
+
+
+def test_redis_keeps_the_broker_queue_across_restarts(compose: dict) -> None:
+    redis = compose["services"]["redis"]
+    command = redis["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--appendfsync") + 1] in ("everysec", "always")
+    assert redis["volumes"] == ["redisdata:/data"] and "redisdata" in compose["volumes"]
+
+
+def test_worker_and_beat_start_after_web_has_migrated(compose: dict) -> None:
+    services = compose["services"]
+    web = build_parser().parse_args(services["web"]["command"][1:])
+    assert f"('127.0.0.1', {web.port})" in " ".join(services["web"]["healthcheck"]["test"])
+    for name in ("worker", "beat"):
+        assert services[name]["depends_on"]["web"] == {"condition": "service_healthy"}
+        assert {"postgres", "redis"} <= set(services[name]["depends_on"])
+
+
+@pytest.fixture(scope="module")
+def smoke_plan() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLUSTERDX_")}
+    env |= {"DATABASE_URL": "postgresql://smoke@db/x", "REDIS_URL": "redis://smoke:6379/1"}
+    out = subprocess.run([str(SMOKE), "plan"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_the_smoke_script_runs_what_compose_runs(compose: dict, smoke_plan: dict) -> None:
+    img = image()
+    assert (smoke_plan["user"], smoke_plan["home"]) == (img["user"], img["home"])
+    services = {s["name"]: s for s in smoke_plan["services"]}
+    assert set(services) == {*APP_SERVICES, "caddy"}
+    names = [s["name"] for s in smoke_plan["services"]]
+    assert names.index("web") < min(names.index("worker"), names.index("beat")), "compose's depends_on order"
+    for name in APP_SERVICES:
+        planned, declared = services[name], compose["services"][name]
+        assert planned["argv"] == [defaults(a) for a in declared["command"]], name
+        assert planned["replicas"] == (declared.get("deploy") or {}).get("replicas", 1)
+        assert [f"{v['source']}:{v['target']}" for v in planned["volumes"]] == declared["volumes"]
+        assert (planned["tmpfs"], planned["read_only"]) == (declared["tmpfs"], declared["read_only"])
+        expected = img["env"] | compose_env(compose, name) | {"HOME": img["home"]}
+        changed = {k for k in set(planned["env"]) | set(expected) if planned["env"].get(k) != expected.get(k)}
+        assert changed <= SMOKE_OVERRIDES and set(expected) <= set(planned["env"]), (name, changed)
+    assert set(smoke_plan["overrides"]) <= SMOKE_OVERRIDES
+    header = SMOKE.read_text().split("set -euo pipefail")[0]
+    assert all(name in header for name in SMOKE_OVERRIDES), "every difference from compose is explained"
+    caddy = services["caddy"]
+    assert compose_env(compose, "caddy").items() <= caddy["env"].items()
+    assert smoke_plan["secrets"] == {name: f"/run/secrets/{name}" for name in compose["secrets"]}
+
+
+def unit(name: str) -> dict[str, dict[str, list[str]]]:
+    """A systemd unit file as section -> key -> values (a key may repeat)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] = {}
+    for line in (SYSTEMD / name).read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), {})
+            continue
+        key, value = line.split("=", 1)
+        current.setdefault(key, []).append(value)
+    return sections
+
+
+def env_file() -> dict[str, str]:
+    lines = (SYSTEMD / "clusterdx.env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line.strip() and not line.startswith("#"))
+
+
+def test_systemd_units_run_the_compose_commands_hardened(compose: dict) -> None:
+    img, env = image(), env_file()
+    # The image's ENV and compose's variables, but pip's (nothing is installed at run time) and uvicorn's trusted
+    # proxies (web listens on 127.0.0.1, where the proxy is: uvicorn's default already trusts it).
+    assert set(env) == set(img["env"]) - {"PIP_NO_CACHE_DIR"} | set(compose_env(compose, "beat"))
+    assert env["SITE_URL"] == env["CSRF_TRUSTED_ORIGINS"] == f"https://{env['ALLOWED_HOSTS']}"
+    for key in ("CLUSTERDX_RETENTION_HOURS", "CLUSTERDX_GPU_HOUR_PRICE_USD", "DJANGO_SETTINGS_MODULE"):
+        assert env[key] == {**img["env"], **compose_env(compose, "beat")}[key]
+    for name in APP_SERVICES:
+        service = unit(f"clusterdx-{name}.service")["Service"]
+        (exec_start,) = service["ExecStart"]
+        argv = exec_start.split()
+        argv[0] = Path(argv[0]).name
+        expected = [a.replace(img["env"]["CLUSTERDX_DATA_DIR"], env["CLUSTERDX_DATA_DIR"])
+                    for a in compose["services"][name]["command"]]
+        if name == "web":
+            expected[expected.index("--host") + 1] = "127.0.0.1"  # behind the proxy on the same host
+        assert argv == expected, name
+        assert service["User"] == service["Group"] == [img["user"]]
+        assert service["EnvironmentFile"] == ["/etc/clusterdx/server.env"]
+        # Read-only but the state directory (compose: a read-only image and the data volume; /tmp private).
+        assert f"/var/lib/{service['StateDirectory'][0]}" == env["CLUSTERDX_DATA_DIR"] == service["WorkingDirectory"][0]
+        for key, value in {"ProtectSystem": "strict", "PrivateTmp": "yes", "NoNewPrivileges": "yes",
+                           "ProtectHome": "yes", "CapabilityBoundingSet": ""}.items():
+            assert service[key] == [value], (name, key)
+        if name != "web":
+            assert "clusterdx-web.service" in unit(f"clusterdx-{name}.service")["Unit"]["After"][0]
+
+
+def k8s() -> dict[tuple[str, str], dict]:
+    docs = [d for path in sorted(K8S.glob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d]
+    return {(d["kind"], d.get("metadata", {}).get("name", "")): d for d in docs}
+
+
+def test_kubernetes_manifests_run_the_compose_commands(compose: dict) -> None:
+    img, manifests = image(), k8s()
+    kustomization = manifests[("Kustomization", "")]
+    assert set(kustomization["resources"]) == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    config = manifests[("ConfigMap", "clusterdx-env")]["data"]
+    for name in APP_SERVICES:
+        deployment = manifests[("Deployment", name)]["spec"]
+        pod = deployment["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["command"] == compose["services"][name]["command"], name
+        assert container["image"] == compose["services"][name]["image"]
+        given = set(config) | {e["name"] for e in container["env"]}
+        assert given == set(compose_env(compose, name)), name
+        assert next(e for e in container["env"] if e["name"] == "DATABASE_URL")["valueFrom"]["secretKeyRef"]
+        for key, value in compose_env(compose, name).items():
+            if "localhost" not in value and key not in ("DATABASE_URL", "REDIS_URL"):
+                assert {**config, **{e["name"]: e.get("value") for e in container["env"]}}[key] == value, key
+        assert pod["securityContext"]["runAsUser"] == img["uid"] and pod["securityContext"]["runAsNonRoot"]
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert set(mounts) == {"/tmp", img["env"]["CLUSTERDX_DATA_DIR"], str(Path(config["SECRET_KEY_FILE"]).parent)}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes[mounts[str(Path(config["SECRET_KEY_FILE"]).parent)]]["secret"]["secretName"]
+        replicas = (compose["services"][name].get("deploy") or {}).get("replicas", 1)
+        assert deployment["replicas"] == replicas
+    beat = manifests[("Deployment", "beat")]["spec"]
+    assert beat["replicas"] == 1 and beat["strategy"] == {"type": "Recreate"}, "exactly one beat, even mid-rollout"
+    data = next(v for v in beat["template"]["spec"]["volumes"] if v["name"] == "data")
+    assert data["persistentVolumeClaim"]["claimName"] in {n for k, n in manifests if k == "PersistentVolumeClaim"}
+    web = manifests[("Deployment", "web")]["spec"]["template"]["spec"]["containers"][0]
+    assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(web)
+    assert "livenessProbe" in manifests[("Deployment", "worker")]["spec"]["template"]["spec"]["containers"][0]
+    (port,) = web["ports"]
+    assert [str(port["containerPort"])] == compose["services"]["web"]["expose"]
+    service = manifests[("Service", "web")]["spec"]
+    assert service["ports"][0]["targetPort"] == port["name"]
+    ingress = manifests[("Ingress", "clusterdx")]["spec"]
+    assert ingress["tls"] and ingress["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] == "web"
+    assert config["SITE_URL"] == config["CSRF_TRUSTED_ORIGINS"] == f"https://{ingress['rules'][0]['host']}"
+
+
+def test_every_command_in_the_deploy_guide_exists() -> None:
+    """docs/deploy.md's commands parse with the real parsers: `clusterdx ...` and `manage.py alerts ...`."""
+    from dashboard.alerts.management.commands.alerts import Command
+
+    blocks = re.findall(r"```sh\n(.*?)```", (ROOT / "docs" / "deploy.md").read_text(), re.S)
+    lines = [line.split(" #")[0] for block in blocks for line in block.splitlines()]
+    parser, alerts = build_parser(), Command().create_parser("manage.py", "alerts")
+    seen = []
+    for line in lines:
+        for rest in re.findall(r"(?:(?:\bweb|\bcdx|--) |/bin/)clusterdx ([^|>]*)", line):
+            argv = shlex.split(rest)
+            try:
+                parser.parse_args(argv)
+            except SystemExit:
+                pytest.fail(f"docs/deploy.md: `clusterdx {rest.strip()}` is not a valid command")
+            seen.append(" ".join(argv[:2]))
+        for rest in re.findall(r"(?:manage\.py|django-admin) alerts ([^|>]*)", line):
+            alerts.parse_args(shlex.split(rest))
+            seen.append("alerts")
+    assert {"user add", "cluster create", "cluster add-member", "token create", "agent --config", "alerts"} <= set(seen)
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_knows_every_directive_of_the_units(tmp_path: Path) -> None:
+    """`systemd-analyze verify` on copies whose ExecStart is /usr/bin/true (the real one is installed by the operator):
+    a misspelt hardening key is only a warning to systemd, and a silently unhardened service."""
+    for path in SYSTEMD.glob("*.service"):
+        (tmp_path / path.name).write_text(re.sub(r"/opt/clusterdx/bin/\S+", "/usr/bin/true", path.read_text()))
+    out = subprocess.run(["systemd-analyze", "verify", "--man=no", *sorted(map(str, tmp_path.glob("*.service")))],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and not out.stderr.strip(), out.stderr
