@@ -1,0 +1,113 @@
+"""The wire format's declarations compiled into msgspec types: JSON decoding and validation in one pass, in C.
+
+Generated from the same records as :func:`clusterdx.wire.validate_batch` and :func:`clusterdx.wire.json_schema` (one
+source of truth): each ``Record`` becomes a ``msgspec.Struct`` and each ``Range``, ``Len`` and ``Pattern`` a
+``msgspec.Meta`` constraint. The server needs msgspec; agents and training hooks import :mod:`clusterdx.wire` without
+it, which imports this module only when :func:`clusterdx.wire.parse_batch` is first called.
+
+This is the fast path for the batches producers really send. It is *stricter* than the reference validator, never
+looser: whatever it refuses, or a case it leaves alone (a ``\\u0000`` escape, ``3.0`` for an integer, ``NaN``), goes
+to the reference path (``json.loads`` + :func:`clusterdx.wire.validate_batch`), which decides and words the error.
+So every answer, accepted dict or error, is the reference path's; tests/test_wire_compiled.py checks both agree.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import typing
+from functools import cache
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from clusterdx import wire
+
+# JSON has no word for infinity; ``1e999`` is "Number out of range" to msgspec already. The bound says "finite" the way
+# the reference path does, so that no float reaches a record without it.
+_FINITE = {"ge": -sys.float_info.max, "le": sys.float_info.max}
+
+
+def _meta(meta: list[Any], kind: type) -> msgspec.Meta | None:
+    """The msgspec constraint for a wire type's ``Range``, ``Len`` and ``Pattern`` markers (``kind`` is its base)."""
+    out: dict[str, Any] = dict(_FINITE) if kind is float else {}
+    for m in meta:
+        if isinstance(m, wire.Range):
+            if kind is int:  # exact for integers, whatever the bound's own type (1e11 or 10**11)
+                out.update({k: f(v) for k, f, v in (("ge", math.ceil, m.ge), ("le", math.floor, m.le)) if v is not None})
+            else:
+                out.update({k: v for k, v in (("ge", m.ge), ("le", m.le)) if v is not None})
+        elif isinstance(m, wire.Len):
+            out["max_length"] = m.max
+            if m.min:
+                out["min_length"] = m.min
+        elif isinstance(m, wire.Pattern):
+            # msgspec searches; the reference validator fullmatches ("$" would also match before a final newline).
+            out["pattern"] = rf"\A(?:{m.regex})\Z"
+    if kind is int and ("ge" not in out or "le" not in out):
+        # json.loads refuses integers over sys.get_int_max_str_digits() digits and msgspec does not: every integer the
+        # wire carries is bounded (a database column holds it), which also keeps the two parsers' answers the same.
+        raise TypeError("a wire integer must declare Range(ge=..., le=...)")
+    return msgspec.Meta(**out) if out else None
+
+
+def _constrained(tp: Any, constraint: msgspec.Meta | None) -> Any:
+    return tp if constraint is None else Annotated[tp, constraint]
+
+
+def _type(tp: Any) -> Any:
+    """The msgspec annotation for one wire annotation."""
+    tp, meta = wire._split_annotated(tp)
+    origin = typing.get_origin(tp)
+    if tp in (str, int, float, bool):
+        return _constrained(tp, _meta(meta, tp))
+    if origin not in (list, dict) and any(isinstance(m, (wire.Range, wire.Len, wire.Pattern)) for m in meta):
+        raise TypeError(f"constraints on {tp!r} are not supported (put them inside the union)")
+    if origin is Literal:
+        return tp
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return _constrained(list[_type(item)], _meta(meta, list))
+    if origin is dict:
+        # The key type is the wire's, whatever the declaration says: the reference validator checks keys alike.
+        return _constrained(dict[_type(wire.DictKey), _type(typing.get_args(tp)[1])], _meta(meta, dict))
+    if isinstance(tp, type) and issubclass(tp, wire.Record):
+        return struct(tp)
+    args = typing.get_args(tp)
+    if len(args) == 2 and type(None) in args:  # T | None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _type(inner) | None
+    raise TypeError(f"unsupported wire type {tp!r}")
+
+
+@cache
+def struct(cls: type[wire.Record]) -> type[msgspec.Struct]:
+    """The ``msgspec.Struct`` for a wire record: its fields in declaration order, unknown fields refused."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for name, (tp, default) in wire._fields(cls).items():
+        if default is wire._MISSING:
+            fields.append((name, _type(tp)))
+        else:  # msgspec copies an empty list default per instance, as the reference validator does
+            fields.append((name, _type(tp), default))
+    # gc=False: a decoded batch is a tree (no cycles) that lives only until it is turned into dicts.
+    return msgspec.defstruct(cls.__name__, fields, kw_only=True, forbid_unknown_fields=True, gc=False, module=__name__)
+
+
+@cache
+def decoder(cls: type[wire.Record]) -> msgspec.json.Decoder[Any]:
+    return msgspec.json.Decoder(struct(cls))
+
+
+def decode(cls: type[wire.Record], body: bytes) -> dict[str, Any] | None:
+    """The record ``cls`` in ``body`` as plain dicts with defaults filled in, exactly as ``json.loads`` then
+    :func:`clusterdx.wire.validate` would return it; None when this path cannot say (the reference path decides)."""
+    if b"\\u0000" in body:
+        # A NUL escape is the one refusal msgspec has no constraint for (the reference path names the field). Raw NUL
+        # bytes are not JSON to either parser.
+        return None
+    try:
+        value = decoder(cls).decode(body)
+    except (msgspec.MsgspecError, RecursionError):
+        return None
+    out: dict[str, Any] = msgspec.to_builtins(value)
+    return out
