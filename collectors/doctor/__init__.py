@@ -28,7 +28,8 @@ HEAD_BYTES = 64 * 1024
 
 _SMI = ("<nvidia_smi_log", "NVSMI LOG")
 _SMI_KEYS = ("Retired Pages", "Remapped Rows", "Clocks Throttle Reasons", "Clocks Event Reasons", "ECC Errors",
-             "Pending Page Blacklist", "Power Readings", "Ecc Mode", "Product Name", "<gpu id=")
+             "Pending Page Blacklist", "Power Readings", "Ecc Mode", "Product Name", "<gpu id=",
+             "HW Power Brake Slowdown", "HW Thermal Slowdown", "SW Thermal Slowdown")
 _SMI_GPU_RE = re.compile(r"^GPU [0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]\s*$", re.M)
 _IB = ("CA '", "hca_id:", "# Port counters", "# Port extended counters", "Errors for ", "/sys/class/infiniband/",
        "Physical state:", "phys_port_cnt", "SymbolErrorCounter")
@@ -38,7 +39,9 @@ _TORCH = ("Watchdog caught", "DistBackendError", "DistStoreError", "DistNetworkE
 _NCCL = (" NCCL INFO ", " NCCL WARN ", "NCCL version ")
 # Bounded and anchored at a word start so a 64 KB line of junk costs linear time, not quadratic.
 _OLD_NCCL_RE = re.compile(r"(?<![\w.-])[\w.-]{1,100}:\d{1,10}:\d{1,10} \[\d{1,4}\] (?:INFO|WARN) ")
-_XID = ("NVRM: Xid", "has fallen off the bus")
+_XID = ("NVRM: Xid", "has fallen off the bus", "NVRM: fallen off the bus")
+# ibqueryerrors prints one line per port: " GUID 0x... port ALL: [LinkDownedCounter == 25 (25.000)] ..."
+_QERR_RE = re.compile(r"GUID 0x[0-9a-fA-F]{1,16} port \w{1,8}: \[\w{1,64} == \d")
 
 
 def detect_kind(sample: str) -> str:
@@ -50,7 +53,7 @@ def detect_kind(sample: str) -> str:
     xid = sum(sample.count(m) for m in _XID)
     if any(m in sample for m in _TORCH):
         return "torch"
-    if sum(sample.count(m) for m in _IB) >= 2 and nccl == 0:
+    if (sum(sample.count(m) for m in _IB) >= 2 or _QERR_RE.search(sample)) and nccl == 0:
         return "ib"
     if xid and xid >= nccl:
         return "xid"
@@ -184,7 +187,7 @@ def _job(kind: str | None, detected: str, lines: Iterable[str]) -> Report:
 def _job_kind(detected: str, nccl: NcclFacts, torch: TorchFacts, xid: XidFacts) -> str:
     if torch.error_class not in (None, "other") or (torch.errors and not nccl.records):
         return "torch"
-    if xid.events and (detected == "xid" or not nccl.records):
+    if (xid.events or xid.off_bus) and (detected == "xid" or not nccl.records):
         return "xid"
     if nccl.records:
         return "nccl"

@@ -31,8 +31,10 @@ _PERF_HEAD_RE = re.compile(r"^# Port (?:extended )?counters: Lid (?P<lid>\d+) po
 # "k:....v": the value may not start with a dot (else "\.+" and "\S+" split a run of dots every possible way).
 _PERF_RE = re.compile(r"^(?P<k>\w+):\.+(?P<v>[^\s.]\S*|\.)\s*$")
 _QERR_HEAD_RE = re.compile(r"^Errors for (?:0x[0-9a-fA-F]+ )?\"(?P<dev>[^\"]*)\"")
-_QERR_PORT_RE = re.compile(r"GUID (?P<guid>0x[0-9a-fA-F]+) port (?P<port>\d+):(?P<rest>.*)")
-_QERR_CTR_RE = re.compile(r"\[(?P<k>\w+) == (?P<v>\d+)\]")
+# "port ALL" (ibqueryerrors -c, a switch's or node's ports summed) is kept as port 0.
+_QERR_PORT_RE = re.compile(r"GUID (?P<guid>0x[0-9a-fA-F]+) port (?P<port>\d+|ALL):(?P<rest>.*)")
+# rdma-core's ibqueryerrors adds a human-readable copy: "[PortXmitDiscards == 2846 (2.779K)]".
+_QERR_CTR_RE = re.compile(r"\[(?P<k>\w+) == (?P<v>\d+)(?: \([^)\]]{0,32}\))?\]")
 _SYSFS_RE = re.compile(r"(?:/sys/class/infiniband/)?(?P<dev>[\w.-]{1,64})/ports/(?P<port>\d+)/"
                        r"(?:(?:hw_)?counters/)?(?P<k>\w+)\s*:(?P<v>.*)")
 _SPEED_RE = re.compile(r"(?<![\d.])([\d.]+)\s*Gbps")
@@ -160,7 +162,7 @@ class IbFacts:
         if not m:
             return False
         dev = self._dev or m["guid"]
-        port = self._get(dev, int(m["port"]))
+        port = self._get(dev, 0 if m["port"] == "ALL" else int(m["port"]))
         for c in _QERR_CTR_RE.finditer(m["rest"]):
             if port is not None:
                 _count(port, c["k"], c["v"])
@@ -206,6 +208,9 @@ def _count(port: dict[str, Any], name: str, value: str) -> None:
         return
     if n:
         port["error_counters"][name] = n
+    # A counter pinned at its width's maximum stopped counting: the true number is higher (reset it to see the rate).
+    if n in (0xFFFFFFFF, 0xFFFF) and name not in port.setdefault("saturated", []):
+        port["saturated"].append(name)
 
 
 def _float(text: str) -> float | None:
@@ -243,6 +248,12 @@ def _port_findings(p: dict[str, Any], best: float | None) -> list[Finding]:
     elif errs:
         out.append(Finding(45, f"{name} has error counters set ({_fmt(errs)})", "watch whether they grow under "
                            "load (perfquery -x twice, a minute apart); discards alone mean congestion"))
+    if p.get("saturated"):
+        out.append(Finding(40, f"{name}: {', '.join(p['saturated'])} saturated at the counter's maximum (32-bit "
+                           "4294967295 or 16-bit 65535): the real count is higher and the rate unknown",
+                           "reset the counters (perfquery -R, or ibqueryerrors --clear-errors) and read them again "
+                           "after a minute of load; use the 64-bit extended counters (perfquery -x) where the HCA "
+                           "has them"))
     return out
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from collectors.doctor.report import Finding
-from collectors.xid import describe_xid, parse_kmsg_line
+from collectors.xid import describe_xid, normalize_pci, parse_kmsg_line
 
 MAX_EVENTS = 5000
+_GPU_HEAD_RE = re.compile(r"NVRM: The NVIDIA GPU ([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?)\s*$")
+# A pasted Xid whose PCI id was redacted ("PCI:0000:xx:00", "PCI:<redacted>"): the code and the message still count.
+_REDACTED_XID_RE = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>[^)]{0,40})\): (?P<code>\d{1,5}),?\s*(?P<rest>.{0,400})")
 
 
 class XidFacts:
@@ -15,12 +19,26 @@ class XidFacts:
         self.events: list[dict[str, Any]] = []
         self.off_bus: set[str] = set()  # "GPU at ... has fallen off the bus" lines: evidence, not Xid events
         self.total = 0
+        self._pending: str | None = None  # the PCI id of a multi-line "The NVIDIA GPU ..." message
 
     def feed(self, line: str) -> bool:
         if "NVRM" not in line:
             return False
+        # Newer drivers split the message over lines: "NVRM: The NVIDIA GPU 0000:b3:00.0" / "NVRM: (PCI ID: ...)
+        # installed in this system has" / "NVRM: fallen off the bus and is not responding to commands."
+        m = _GPU_HEAD_RE.search(line)
+        if m:
+            self._pending = normalize_pci(m.group(1)) or m.group(1)
+            return True
+        if "fallen off the bus" in line and self._pending and "NVRM: Xid" not in line and "GPU at" not in line:
+            self.off_bus.add(self._pending)
+            self._pending = None
+            return True
         ev = parse_kmsg_line(line)
         if ev is None:
+            m = _REDACTED_XID_RE.search(line)
+            if m:
+                self._redacted(m)
             return True  # an NVRM line we understand enough to know it is the driver talking
         if "NVRM: Xid" not in ev["message"]:
             self.off_bus.add(ev["pci_bus_id"])
@@ -34,6 +52,14 @@ class XidFacts:
                 "meaning": data["meaning"], "action": data["action"],
             })
         return True
+
+    def _redacted(self, m: re.Match[str]) -> None:
+        code = int(m["code"])
+        info = describe_xid(code)
+        self.total += 1
+        if len(self.events) < MAX_EVENTS:
+            self.events.append({"xid": code, "pci": m["pci"].strip() or "unknown", "pid": None, "process": None,
+                                "message": m["rest"].strip(), "meaning": info.meaning, "action": info.action})
 
     def to_dict(self) -> dict[str, Any]:
         return {"events": self.events}

@@ -23,6 +23,8 @@ _LEVELS = (" NCCL INFO ", " NCCL WARN ", " INFO ", " WARN ", " NCCL TRACE ", " N
 _HEAD_RE = re.compile(r"(?:^|[\s|>\]:])(?P<host>[^\s:|\[\]]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\]"
                       r"(?: [\w./+-]+:\d+)?(?: NCCL)?$")
 _TZ_GLUE_RE = re.compile(r"\d[+-]\d\d:$")
+_HOSTLESS_RE = re.compile(r"^(?:\[[^\]\s]{1,40}\](?:<\w{1,8}>)?:?\s?|\d{4}-\d\d-\d\d[T ][\d:.,]{1,20}Z?\s"
+                          r"|[\w./+-]{1,60}\.cc:\d{1,6}\s|\s)*(?P<nccl>NCCL) (?P<level>WARN|INFO) ")
 _VERSION_RE = re.compile(r"NCCL version (?P<v>\d+\.\d+\.\d+[\w.+-]*)")
 _NRANKS_RE = re.compile(r"\bnranks (\d+)")
 _RANK_RE = re.compile(r"\brank (\d+) nranks")
@@ -37,6 +39,32 @@ _ERRRET_RE = re.compile(r"^[\w./+-]+:\d+ -> (?P<code>\d+)")
 # The gap before "vendor err" is bounded: ".*?" would scan to the end of the line from every "Got completion".
 _IBWC_RE = re.compile(r"Got completion (?:from peer (?P<peer>\S+) )?with (?:error |status=)(?P<status>\d+)"
                       r".{0,200}?vendor err (?P<vendor>\d+)")
+
+# "NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/RoCE [RO]; OOB ib0:10.0.0.1<0>" and the grouped form of the IB plugins,
+# "[0]={[0] mlx5_2:1/RoCE, [1] mlx5_3:1/RoCE}"; "NET/Socket : Using [0]eth0:10.0.0.1<0> [1]eth1:..."; "Bootstrap :
+# Using bond0:10.0.0.1<0>". Names are bounded so a junk line costs linear time.
+_IB_DEV_RE = re.compile(r"(?<![\w.-])([\w.-]{1,64}):(\d{1,3})/(IB|RoCE)\b")
+_OOB_RE = re.compile(r"\bOOB ([\w.-]{1,64}):")
+_SOCK_IF_RE = re.compile(r"\[\d{1,4}\]([\w.-]{1,64}):")
+_BOOT_IF_RE = re.compile(r"^Bootstrap ?: Using ([\w.-]{1,64}):")
+
+
+def net_devices(msg: str) -> tuple[list[str], list[str], str | None] | None:
+    """For a "NET/IB : Using ..." message: (["mlx5_0:1", ...], their link layers ["IB"|"RoCE"], the OOB interface)."""
+    if not msg.startswith("NET/IB") or "Using" not in msg[:20]:
+        return None
+    found = _IB_DEV_RE.findall(msg[:4096])
+    oob = _OOB_RE.search(msg[:4096])
+    return [f"{d}:{p}" for d, p, _ in found], [link for _, _, link in found], oob.group(1) if oob else None
+
+
+def socket_interfaces(msg: str) -> list[str] | None:
+    """The interfaces NCCL chose, from "NET/Socket : Using [0]eth0:..." or "Bootstrap : Using eth0:..."."""
+    if (msg.startswith("NET/Socket") or msg.startswith("Bootstrap")) and "Using [" in msg[:24]:
+        return _SOCK_IF_RE.findall(msg[:4096])  # a list; NCCL before 2.6 listed every interface for the bootstrap
+    m = _BOOT_IF_RE.match(msg)
+    return [m.group(1)] if m else None
+
 
 # ibv_wc_status, from the verbs API: what an IB completion error number means.
 IB_WC_STATUS = {
@@ -111,6 +139,12 @@ def split_record(line: str) -> tuple[str | None, int | None, str, int, int] | No
         m = _VERSION_RE.search(line)
         if m:
             return None, None, "VERSION", m.start("v"), 0
+    if "NCCL WARN " in line or "NCCL INFO " in line:
+        # No host:pid:tid (a launcher or a log shipper dropped it, or NCCL_DEBUG_FILE was post-processed): kept
+        # when only a tag, a timestamp or a level precedes "NCCL WARN", so prose that quotes it is not taken.
+        m = _HOSTLESS_RE.match(line)
+        if m:
+            return None, None, m["level"], m.end(), m.start("nccl")
     return None
 
 
@@ -203,6 +237,8 @@ class NcclFacts:
         self.plugin_failed: str | None = None
         self.failed = False
         self.records = 0
+        self.net_devices: dict[str, str] = {}  # "mlx5_0:1" -> "IB" | "RoCE", as NCCL listed them
+        self.interfaces: dict[str, None] = {}  # the interfaces NCCL bootstrapped or ran sockets over
 
     def feed(self, line: str) -> bool:
         parts = split_record(line)
@@ -266,12 +302,48 @@ class NcclFacts:
                 self.gdr_used = True
         elif msg.startswith("NET/IB : No device found"):
             self.ib_missing = True
-        elif msg.startswith("NET/Socket : Using"):
-            self.socket_net = True
+        elif msg.startswith("NET/IB"):
+            self._net_devices(msg)
+        elif msg.startswith(("NET/Socket", "Bootstrap")):
+            if msg.startswith("NET/Socket : Using"):
+                self.socket_net = True
+            for name in socket_interfaces(msg) or ():
+                if len(self.interfaces) < 64:
+                    self.interfaces[name] = None
         elif "Abort" in msg or "Init FAILED" in msg:
             self.failed = True
         elif msg.startswith("NET/Plugin") and ("Failed" in msg or "failed" in msg or "returned" in msg):
             self.plugin_failed = self.plugin_failed or msg
+
+    def _net_devices(self, msg: str) -> None:
+        found = net_devices(msg)
+        if found is None:
+            return
+        devices, links, oob = found
+        for dev, link in zip(devices, links, strict=True):
+            if len(self.net_devices) < 64:
+                self.net_devices[dev] = link
+        if oob and len(self.interfaces) < 64:
+            self.interfaces[oob] = None
+
+    def inferred_transports(self) -> list[str]:
+        """The transports the channel lines showed; without channel lines (NCCL_DEBUG_SUBSYS without GRAPH, or a
+        log cut before the connections), the network NCCL said it uses: "Using network IB" with the HCAs it listed
+        means IB (RoCE NICs run through NET/IB too), "Using network Socket" means sockets."""
+        if self.transports:
+            return list(self.transports)
+        if self.network:
+            return [self.network]
+        if self.net_devices:
+            return ["IB"]
+        return ["Socket"] if self.socket_net else []
+
+    def fabric(self) -> str | None:
+        """"roce" when the HCAs NCCL listed are RoCE, "ib" when InfiniBand, None when it listed none."""
+        links = set(self.net_devices.values())
+        if not links:
+            return None
+        return "roce" if "RoCE" in links and "IB" not in links else "ib"
 
     def _env(self, msg: str) -> None:
         m = _ENV_RE.match(msg.strip())
@@ -307,8 +379,10 @@ class NcclFacts:
             "nccl_version": self.version,
             "hosts": sorted(self.hosts),
             "nranks": self.nranks,
-            "transports": list(self.transports),
+            "transports": self.inferred_transports(),
             "network": self.network,
+            "net_devices": [f"{d}/{link}" for d, link in self.net_devices.items()],
+            "interfaces": list(self.interfaces),
             "gdr": self.gdr(),
             "env": dict(sorted(self.env.items())),
             "warnings": list(self.warnings),
@@ -399,6 +473,22 @@ class NcclStreamParser:
                 return self._once(("version", host, m["v"]), "info", rec, {"fact": "version", "version": m["v"]})
         if msg.startswith("NET/IB : No device found"):
             return self._once(("no_ib", host), "warning", rec, {"fact": "fallback", "reason": "no IB device"})
+        if msg.startswith("NET/IB"):
+            found = net_devices(msg)
+            if found and found[0]:
+                devices, links, oob = found
+                data = {"fact": "net_devices", "devices": " ".join(devices)[:1000],
+                        "links": " ".join(sorted(set(links)))}
+                if oob:
+                    data["oob"] = oob
+                return self._once(("net_devices", host, data["devices"]), "info", rec, data)
+        # The Bootstrap line is chatter every rank prints; the OOB interface of "NET/IB : Using" and the list of
+        # "NET/Socket : Using" carry the same NCCL_SOCKET_IFNAME selection, once per transport set-up.
+        if msg.startswith("NET/Socket"):
+            names = socket_interfaces(msg)
+            if names:
+                data = {"fact": "interfaces", "interfaces": " ".join(names)[:1000]}
+                return self._once(("interfaces", host, data["interfaces"]), "info", rec, data)
         return []
 
     def _init_event(self, rec: NcclRecord) -> list[dict[str, Any]]:

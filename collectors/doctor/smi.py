@@ -259,7 +259,17 @@ def _gpu_findings(gpu: dict[str, Any]) -> list[Finding]:
     if vol_unc and not pending:
         out.append(Finding(85, f"{name} {bus}: {vol_unc} uncorrectable ECC errors since the last reset",
                            "drain the GPU and reset it; check Xid 48/63/64/94/95 in dmesg; RMA if it recurs"))
-    hot = [r for r in gpu.get("throttle_reasons_active") or [] if "Thermal" in r or "HW" in r or "Brake" in r]
+    active = gpu.get("throttle_reasons_active") or []
+    brake = "HW Power Brake Slowdown" in active
+    if brake:
+        # An external signal, not the GPU's own temperature: the board's power-brake pin is asserted by the chassis
+        # (a failed or missing PSU, lost redundancy, the BMC capping power). HW Slowdown is its parent flag.
+        out.append(Finding(75, f"{name} {bus or '(bus id not in the excerpt)'}: HW Power Brake Slowdown is active - "
+                           "the chassis is asserting the GPU's power-brake signal and clocks drop by half or more",
+                           "check the node's power supplies and their redundancy (ipmitool sdr / sel list, the BMC's "
+                           "power capping policy); every GPU behind the same PSU slows together"))
+    hot = [r for r in active if ("Thermal" in r or "HW" in r) and r != "HW Power Brake Slowdown"
+           and not (brake and r == "HW Slowdown")]
     if hot:
         out.append(Finding(60, f"{name} {bus}: clocks held down by {', '.join(hot)}",
                            "check cooling (fans, inlet temperature, airflow blockers) and the PSU/power brake "

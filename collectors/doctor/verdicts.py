@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from clusterdx import nccl_rules
 from collectors.doctor.nccl import IB_WC_STATUS, NCCL_RESULT
 from collectors.doctor.report import Finding
 
@@ -154,13 +155,48 @@ def _no_gdr(f: NcclFacts) -> Finding | None:
     return None
 
 
+_AUDIT_SCORE = {"error": 55, "warning": 35, "info": 20}
+_NO_IFACE = ("no socket interface found", "No usable listening interface", "no interface found")
+
+
+def _settings_audit(f: NcclFacts) -> list[Finding]:
+    """The live diagnosis' NCCL rule table (clusterdx.nccl_rules) on the environment the log printed. The HCAs and
+    interfaces NCCL listed are the ones it selected, so a name that matches nothing shows as its consequence: "NET/IB
+    : No device found" with NCCL_IB_HCA set, or a "no socket interface found" warning with NCCL_SOCKET_IFNAME set.
+    NCCL_DEBUG is left out: a log to read was made with INFO on purpose."""
+    fabric = f.fabric() or ("ib" if f.network == "IB" else None)
+    hits = [h for h in nccl_rules.audit(f.env, interconnect=fabric, world_size=f.nranks) if h.rule != "debug_verbose"]
+    hca = f.env.get("NCCL_IB_HCA")
+    if hca and f.ib_missing:
+        rule = nccl_rules.RULES["ib_hca_missing"]
+        hits.append(nccl_rules.Hit(rule.name, rule.severity, "NCCL_IB_HCA", hca,
+                                   f"NCCL_IB_HCA={hca} and NCCL found no IB device", rule.reason, rule.fix))
+    ifname = f.env.get("NCCL_SOCKET_IFNAME")
+    missing = [w for w in f.warnings if any(n in w for n in _NO_IFACE)]
+    if ifname and missing:
+        rule = nccl_rules.RULES["socket_ifname_missing"]
+        hits.append(nccl_rules.Hit(rule.name, rule.severity, "NCCL_SOCKET_IFNAME", ifname,
+                                   f"NCCL_SOCKET_IFNAME={ifname} matched no interface", rule.reason, rule.fix))
+    return [Finding(_AUDIT_SCORE.get(h.severity, 20), f"{h.title}: {h.reason}", h.fix,
+                    tuple(missing[:5]) if h.rule == "socket_ifname_missing" else ()) for h in hits]
+
+
+def _no_interface(f: NcclFacts) -> Finding | None:
+    hits = [w for w in f.warnings if any(n in w for n in _NO_IFACE)]
+    if not hits:
+        return None
+    return Finding(85, "NCCL found no usable network interface for its bootstrap / socket transport",
+                   "set NCCL_SOCKET_IFNAME to an interface every node has (ip -br addr; a prefix such as 'ens' "
+                   "matches several, '=' makes it exact) and check the container sees the host network", tuple(hits[:5]))
+
+
 RULES: tuple[Callable[[NcclFacts], Finding | None], ...] = (
-    _ib_completion, _warn_rules, _error_codes, _socket_fallback, _generic_failure, _env_drift, _no_gdr,
+    _ib_completion, _no_interface, _warn_rules, _error_codes, _socket_fallback, _generic_failure, _env_drift, _no_gdr,
 )
 
 
 def nccl_findings(f: NcclFacts) -> list[Finding]:
-    return [found for rule in RULES if (found := rule(f)) is not None]
+    return [found for rule in RULES if (found := rule(f)) is not None] + _settings_audit(f)
 
 
 def _warns(f: NcclFacts, needle: str) -> tuple[str, ...]:

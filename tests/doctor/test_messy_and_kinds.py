@@ -168,5 +168,5 @@ def detect_kind_of(text: str) -> str:
 def test_json_shape_is_exactly_the_issues():
     d = diagnose("\n".join(NCCL)).to_dict()
     assert list(d) == ["kind", "facts", "verdict", "unparsed_lines"]
-    assert list(d["facts"]) == ["nccl_version", "hosts", "nranks", "transports", "network", "gdr", "env",
-                                "warnings", "failed"]
+    assert list(d["facts"]) == ["nccl_version", "hosts", "nranks", "transports", "network", "net_devices",
+                                "interfaces", "gdr", "env", "warnings", "failed"]

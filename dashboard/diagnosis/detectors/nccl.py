@@ -1,12 +1,21 @@
 """NCCL misconfiguration: NCCL_* drift across ranks, socket transport or IB disabled on an IB cluster, GPUDirect RDMA
-off, and an IB timeout too low for the scale. Facts come from each rank's environment (RunMeta.env, kept as state)
-and from the NCCL log events the agents parse (transport, network, GDR)."""
+off, and the settings audit of :mod:`clusterdx.nccl_rules` (IB timeout and retries, P2P/SHM off, forced algorithm or
+protocol, GID index on RoCE, verbose debug, NCCL_SOCKET_IFNAME / NCCL_IB_HCA against what the node has).
+
+Facts come from each rank's environment (RunMeta.env, kept as state on the rank) and from the NCCL log events the
+agents parse (transport, network, GDR, the HCAs and interfaces NCCL saw). The agent reports no interface names of its
+own (HostSample has none): a node's interfaces are the ones its NCCL logs named (Bootstrap / NET/Socket / OOB) or an
+``interfaces`` list on its host sample where a newer agent sends one; its HCAs are the devices of its IB ports.
+
+The socket fallback is state of the run: the newest transport a node's ranks reported (``Window.nccl_state``, read
+over the runs' lifetime) holds until they report another one, not only while the event is in the 2-minute window."""
 
 from __future__ import annotations
 
 from collections import Counter
 from typing import Any
 
+from clusterdx import nccl_rules
 from dashboard.diagnosis.detectors.base import SEVERITY_RANK, Detection, Thresholds
 from dashboard.diagnosis.detectors.window import RunInfo, Window
 
@@ -36,21 +45,55 @@ def _drift(run: RunInfo) -> dict[int, dict[str, tuple[str | None, str | None]]]:
     return out
 
 
+def _host(e: dict[str, Any]) -> str | None:
+    return e.get("node") or (e.get("data") or {}).get("host")
+
+
+def _nccl_events(w: Window) -> list[dict[str, Any]]:
+    """The runs' NCCL state events (held for the runs' lifetime) and the recent window's, oldest first."""
+    held = getattr(w, "nccl_state", None) or []
+    return sorted((e for e in [*held, *w.events] if e.get("kind") == "nccl"), key=lambda e: e.get("ts") or 0.0)
+
+
+def _run_nodes(w: Window) -> set[str]:
+    return {i.node for run in w.runs for i in run.ranks.values() if i.node}
+
+
 def _socket_facts(w: Window) -> dict[str, list[str]]:
-    """host -> what its NCCL logs or ranks say about falling back to sockets / GDR off."""
+    """host -> what its NCCL logs or ranks say about falling back to sockets / GDR off. The newest inter-node
+    transport a host reported decides: a fallback holds until its ranks report IB (or another RDMA network) again."""
     facts: dict[str, list[str]] = {}
-    if w.interconnect != "ib":
+    if w.interconnect == "eth":
         return facts
-    for e in w.events:
-        data = e.get("data") or {}
-        host = e.get("node") or data.get("host")
-        if e["kind"] != "nccl" or not host:
+    state: dict[str, tuple[float, str | None]] = {}  # host -> (ts, fact or None when the newest says RDMA)
+    gdr: dict[str, tuple[float, bool]] = {}
+    for e in _nccl_events(w):
+        data, host = e.get("data") or {}, _host(e)
+        if not host:
             continue
+        ts = float(e.get("ts") or 0.0)
+        fact = data.get("fact")
         if data.get("transport") == "Socket" or data.get("network") == "Socket":
-            facts.setdefault(host, []).append("NCCL uses the socket transport (NET/Socket)")
-        elif data.get("fact") == "fallback":
-            facts.setdefault(host, []).append(f"NCCL found no IB device ({data.get('reason', '')})")
-        elif data.get("gdr") == "false" and data.get("transport") == "IB":
+            state[host] = (ts, "NCCL uses the socket transport (NET/Socket)")
+        elif fact == "fallback":
+            state[host] = (ts, f"NCCL found no IB device ({data.get('reason', '')})")
+        elif (fact == "transport" and "gdr" in data) or (fact == "network" and data.get("network")):
+            state[host] = (ts, None)  # a NET transport other than sockets (only NET/ transports carry "gdr")
+        if fact == "transport" and data.get("transport") == "IB" and "gdr" in data:
+            gdr[host] = (ts, data["gdr"] == "false")
+    recent = w.now - SPANS_EVENTS
+    running = _run_nodes(w)
+
+    def held(host: str, ts: float) -> bool:
+        # Past the event window a fact holds on the nodes of an active run; when no rank said where it runs (hooks
+        # without RunMeta), on any node while a run is active (the loader reads only since the oldest one began).
+        return ts >= recent or host in running or (bool(w.runs) and not running)
+
+    for host, (ts, fact) in state.items():
+        if fact and held(host, ts):
+            facts.setdefault(host, []).append(fact)
+    for host, (ts, off) in gdr.items():
+        if off and held(host, ts):
             facts.setdefault(host, []).append("GPUDirect RDMA is off (IB without GDRDMA)")
     for run in w.runs:
         for info in run.ranks.values():
@@ -74,16 +117,128 @@ def nccl_config(w: Window, t: Thresholds) -> list[Detection]:
             "visible on that node (ibv_devinfo, NCCL_IB_HCA), and that nvidia-peermem is loaded for GPUDirect RDMA; "
             "every all-reduce runs at the speed of this node's slowest path.",
             {"metrics": {"facts": facts}}, 0.95, node=host)
+    node_facts = _node_facts(w)
     for run in w.runs:
-        for det in _drift_detections(run) + _timeout_detections(run, t):
+        for det in _drift_detections(run) + _audit_detections(w, run, node_facts, t):
             if det.subject in out:
                 prev = out[det.subject]
                 prev.action += " Also: " + det.title + "."
                 if SEVERITY_RANK[det.severity] > SEVERITY_RANK[prev.severity]:
                     prev.severity = det.severity
+                rules = det.evidence.get("metrics", {}).get("rules")
+                if rules:
+                    prev.evidence.setdefault("metrics", {}).setdefault("rules", []).extend(rules)
             else:
                 out[det.subject] = det
     return list(out.values())
+
+
+# How long the recent event window is (SPANS["events"]); a fact older than that holds only while a run is on the node.
+SPANS_EVENTS = 120.0
+_NO_IFACE = ("no socket interface found", "No usable listening interface", "no interface found")
+
+
+class _NodeFacts:
+    __slots__ = ("hcas", "interfaces", "no_iface", "roce")
+
+    def __init__(self) -> None:
+        self.hcas: set[str] = set()
+        self.interfaces: set[str] = set()
+        self.roce = False
+        self.no_iface: str | None = None
+
+
+def _node_facts(w: Window) -> dict[str, _NodeFacts]:
+    """What each node has: HCAs from its IB ports, interfaces and RoCE from what its NCCL logs named (and a host
+    sample's ``interfaces`` where the agent sends one), and an NCCL warning that no interface matched."""
+    out: dict[str, _NodeFacts] = {}
+    if len(w.ports):
+        for i, dev in zip(w.ports["node"], w.ports["device"], strict=True):
+            if dev and 0 <= int(i) < len(w.nodes):
+                out.setdefault(w.nodes[int(i)], _NodeFacts()).hcas.add(str(dev))
+    for host, sample in w.hosts.items():
+        names = sample.get("interfaces") if isinstance(sample, dict) else None
+        if isinstance(names, list | tuple):
+            out.setdefault(host, _NodeFacts()).interfaces.update(str(n) for n in names if n)
+    for e in _nccl_events(w):
+        host, data = _host(e), e.get("data") or {}
+        if not host:
+            continue
+        fact = data.get("fact")
+        if fact == "interfaces" and data.get("interfaces"):
+            out.setdefault(host, _NodeFacts()).interfaces.update(data["interfaces"].split())
+        elif fact == "net_devices":
+            nf = out.setdefault(host, _NodeFacts())
+            if data.get("oob"):
+                nf.interfaces.add(data["oob"])
+            nf.roce = nf.roce or "RoCE" in data.get("links", "").split()
+        elif fact == "warn" and any(n in data.get("warn", "") for n in _NO_IFACE):
+            out.setdefault(host, _NodeFacts()).no_iface = data["warn"][:200]
+    return out
+
+
+def _majority_env(envs: list[dict[str, str]]) -> dict[str, str]:
+    common = Counter(tuple(sorted(e.items())) for e in envs).most_common(1)
+    return dict(common[0][0]) if common else {}
+
+
+def _audit_detections(w: Window, run: RunInfo, nodes: dict[str, _NodeFacts], t: Thresholds) -> list[Detection]:
+    """The rule table on the run's common environment (one finding on the run) and, per node, the rules that depend
+    on what the node has (its interfaces and HCAs; one finding on the node)."""
+    infos = [i for i in run.ranks.values() if i.meta.get("env") is not None]
+    if not infos:
+        return []
+    world = run.world_size or len(run.ranks)
+    env = _majority_env([_all_nccl_env(i.meta) for i in infos])
+    roce = w.interconnect == "roce" or any(nodes[i.node].roce for i in infos if i.node in nodes)
+    fabric = "eth" if w.interconnect == "eth" else ("roce" if roce else "ib")
+    hits = nccl_rules.audit(env, interconnect=fabric, world_size=world, scale_ranks=t.ib_timeout_scale_ranks,
+                            min_at_scale=t.ib_timeout_min)
+    out = []
+    if hits:
+        out.append(_audit_detection("run", run.name, run, hits, node=None))
+    by_node: dict[str, dict[str, str]] = {}
+    for i in infos:
+        if i.node:
+            by_node.setdefault(i.node, _all_nccl_env(i.meta))
+    for node, node_env in sorted(by_node.items()):
+        nf = nodes.get(node)
+        if nf is None:
+            continue
+        node_hits = [h for h in nccl_rules.audit(
+            node_env, interconnect=fabric, interfaces=nf.interfaces or None, hcas=nf.hcas or None)
+            if h.rule in ("socket_ifname_missing", "ib_hca_missing")]
+        if nf.no_iface and node_env.get("NCCL_SOCKET_IFNAME") and not any(
+                h.rule == "socket_ifname_missing" for h in node_hits):
+            known = f"the interfaces NCCL named there: {', '.join(sorted(nf.interfaces))}" if nf.interfaces else \
+                "the agent reports no interface names"
+            rule = nccl_rules.RULES["socket_ifname_missing"]
+            node_hits.append(nccl_rules.Hit(
+                rule.name, rule.severity, "NCCL_SOCKET_IFNAME", node_env["NCCL_SOCKET_IFNAME"],
+                f"NCCL_SOCKET_IFNAME={node_env['NCCL_SOCKET_IFNAME']} matched no interface on {node} (NCCL: "
+                f"\"{nf.no_iface}\"; {known})", rule.reason, rule.fix))
+        if node_hits:
+            out.append(_audit_detection("node", node, run, node_hits, node=node))
+    return out
+
+
+def _all_nccl_env(meta: dict[str, Any]) -> dict[str, str]:
+    """NCCL_* as launched, NCCL_DEBUG included (the audit checks it; drift ignores it)."""
+    env = meta.get("env") or {}
+    return {k: str(v) for k, v in env.items() if k.startswith("NCCL_")}
+
+
+def _audit_detection(stype: str, subject: str, run: RunInfo, hits: list[nccl_rules.Hit], node: str | None) -> Detection:
+    worst = max(hits, key=lambda h: SEVERITY_RANK.get(h.severity, 0))
+    title = hits[0].title if len(hits) == 1 else f"{hits[0].title} (+{len(hits) - 1} more NCCL settings)"
+    where = f" on {subject}" if stype == "node" else f" in {run.name}"
+    return Detection(
+        "nccl_config", stype, subject, worst.severity, title + where,
+        " ".join(h.sentence() + "." for h in hits),
+        {"metrics": {"rules": [{"rule": h.rule, "var": h.var, "value": h.value, "severity": h.severity,
+                                "title": h.title} for h in hits],
+                     "world_size": run.world_size or len(run.ranks)}},
+        0.9, node=node, run=run.name)
 
 
 def _drift_detections(run: RunInfo) -> list[Detection]:
@@ -120,23 +275,3 @@ def _drift_detection(run: RunInfo, stype: str, subject: str, ranks: list[int],
         "collectives.",
         {"metrics": {"ranks": ranks[:64], "differences": {k: {"value": v, "others": c} for k, (v, c) in diff.items()}}},
         0.95, node=node, rank=ranks[0] if stype == "rank" else None, run=run.name)
-
-
-def _timeout_detections(run: RunInfo, t: Thresholds) -> list[Detection]:
-    values = Counter(_nccl_env(i.meta).get("NCCL_IB_TIMEOUT") for i in run.ranks.values())
-    if not values:
-        return []
-    common = values.most_common(1)[0][0]
-    world = run.world_size or len(run.ranks)
-    try:
-        timeout = int(common) if common is not None else None
-    except ValueError:
-        return []
-    if timeout is None or world < t.ib_timeout_scale_ranks or timeout >= t.ib_timeout_min:
-        return []
-    return [Detection(
-        "nccl_config", "run", run.name, "warning",
-        f"NCCL_IB_TIMEOUT={timeout} is low for {world} ranks",
-        f"NCCL_IB_TIMEOUT={timeout} gives each IB retry 4.096 µs × 2^{timeout} ≈ {4.096e-6 * 2 ** timeout * 1e3:.0f} ms; "
-        f"at {world} ranks congestion outlasts that and collectives fail with IB timeouts → set NCCL_IB_TIMEOUT to "
-        "20-22 for every rank.", {"metrics": {"NCCL_IB_TIMEOUT": timeout, "world_size": world}}, 0.8, run=run.name)]

@@ -106,6 +106,9 @@ class Window:
     # The latest beat of each rank (wire RankBeat fields + "host", the agent that forwarded it, and "received",
     # server time): where each training process is now, from the live state.
     beats: list[dict[str, Any]] = field(default_factory=list)
+    # The NCCL events that are state of the active runs (the transport, network, fallback its ranks reported), over
+    # the runs' lifetime rather than the event window: a socket fallback holds until the ranks report another one.
+    nccl_state: list[dict[str, Any]] = field(default_factory=list)
 
     def node_index(self) -> dict[str, int]:
         return {h: i for i, h in enumerate(self.nodes)}
