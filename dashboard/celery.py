@@ -17,6 +17,9 @@ app.autodiscover_tasks()
 # name -> (task path, seconds). Beat reads it in production; the embedded scheduler reads the same table.
 SCHEDULE: dict[str, tuple[str, float]] = {
     "retention": ("dashboard.telemetry.tasks.purge_old_samples", 600.0),
+    # 10 s / 1 min rollups of GPU and host samples. Pages read raw rows after the last pass, so a long interval
+    # costs no freshness, and each pass recomputes less than a minute twice.
+    "rollup": ("dashboard.storage.tasks.roll_up", 300.0),
     "alerts-sweep": ("dashboard.alerts.tasks.sweep", 1.0),
     "diagnosis": ("dashboard.diagnosis.tasks.diagnose", float(settings.CLUSTERDX["DIAGNOSIS_INTERVAL_S"])),
 }

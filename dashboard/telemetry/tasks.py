@@ -1,5 +1,10 @@
-"""Retention: time series older than RETENTION_HOURS are deleted in bounded chunks, and so are the idempotency
-records (AgentBatch) of that age, but for one per agent.
+"""Retention: time series older than their retention are removed, and so are the idempotency records (AgentBatch)
+older than RETENTION_HOURS, but for one per agent.
+
+Which series keep how long (dashboard.storage): raw GPU and host samples the hot window (RAW_RETENTION_HOURS), their
+10 s and 1 min rollups ROLLUP_*_RETENTION_DAYS; ports, steps, probes and events RETENTION_HOURS (they are not rolled
+up: the link and run pages read them raw). On PostgreSQL all of these but events are partitioned by day and retention
+drops whole partitions; events are few and deleted in chunks; on SQLite every table is deleted in chunks.
 
 That one is the agent's *mark*: its highest seq among the purged records. Seqs only grow for an agent's lifetime
 (:mod:`clusterdx.wire`), so a seq at or below the mark was either stored and purged, or is older than retention;
@@ -19,7 +24,7 @@ from django.utils import timezone
 
 from dashboard.telemetry import models as m
 
-SERIES = (m.GpuSample, m.HostSample, m.PortSample, m.StepSample, m.Event, m.Probe)
+LONG_SERIES = (m.PortSample, m.StepSample, m.Probe, m.Event)  # kept RETENTION_HOURS; GPU and host: dashboard.storage
 MARK_KEEP = timedelta(days=30)
 
 
@@ -29,10 +34,13 @@ def cutoff() -> datetime:
 
 @shared_task(name="dashboard.telemetry.tasks.purge_old_samples")
 def purge_old_samples(chunk: int = 50_000) -> int:
+    from dashboard.storage import retention
+
     before = cutoff()
-    deleted = 0
-    for model in SERIES:
-        deleted += _purge(model.objects.filter(ts__lt=before), chunk)
+    retention.ensure_ahead([*LONG_SERIES, *retention.rolled_tables()])
+    deleted = retention.purge_tiers(timezone.now(), chunk)
+    for model in LONG_SERIES:
+        deleted += retention.purge(model, before, chunk)[1]
     for cluster_id in m.Cluster.objects.values_list("id", flat=True):
         _purge_batches(cluster_id, before, chunk)
         _purge(m.AgentBatch.objects.filter(cluster_id=cluster_id, received_at__lt=timezone.now() - MARK_KEEP), chunk)

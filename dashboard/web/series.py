@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import Any
 
-from django.db.models import Avg, F, FloatField, Func, Max, Min, QuerySet
+from django.db.models import Avg, Case, F, FloatField, Func, Max, Min, QuerySet, Sum, When
 from django.db.models.functions import Floor
 from django.http import HttpRequest
 
@@ -21,6 +23,7 @@ from dashboard.web.access import BadRequest
 RANGES = {"5m": 300, "15m": 900, "1h": 3600, "6h": 6 * 3600, "24h": 86400, "72h": 3 * 86400, "7d": 7 * 86400}
 DEFAULT_POINTS = 1500
 MAX_POINTS = 5000
+TIER_NAMES = {0: "raw", 10: "10s", 60: "1m"}
 
 
 class Epoch(Func):
@@ -43,11 +46,14 @@ class TimeRange:
     t0: float
     t1: float
     points: int = DEFAULT_POINTS
+    tier: int = 0  # 0: raw rows; 10 or 60: the rollup windows of that many seconds (see ``tiered``)
 
     @property
     def bucket_s(self) -> float:
-        """Bucket width: 1 s (the agents' rate) up to whatever keeps the series under ``points``."""
-        return max(1.0, math.ceil((self.t1 - self.t0) / self.points))
+        """Bucket width: 1 s (the agents' rate) up to whatever keeps the series under ``points``; a multiple of the
+        tier's window, so that no window is split between two buckets."""
+        step = max(1, self.tier)
+        return float(max(step, math.ceil((self.t1 - self.t0) / self.points / step) * step))
 
     @property
     def first_bucket_t(self) -> float:
@@ -57,7 +63,7 @@ class TimeRange:
         return max(self.t0, (math.floor(self.t1 / width) - self.points + 1) * width)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"from": self.t0, "to": self.t1, "bucket_s": self.bucket_s}
+        return {"from": self.t0, "to": self.t1, "bucket_s": self.bucket_s, "tier": TIER_NAMES[self.tier]}
 
 
 def parse_range(request: HttpRequest, default: str = "1h", now: float | None = None) -> TimeRange:
@@ -88,25 +94,32 @@ def parse_range(request: HttpRequest, default: str = "1h", now: float | None = N
 
 
 def in_range(qs: QuerySet[Any], tr: TimeRange, field: str = "ts") -> QuerySet[Any]:
-    from datetime import UTC, datetime
-
     return qs.filter(**{f"{field}__gte": datetime.fromtimestamp(tr.t0, UTC),
                         f"{field}__lte": datetime.fromtimestamp(tr.t1, UTC)})
 
 
+def _raw_stats(f: str) -> tuple[Any, Any, Any]:
+    return Min(f), Avg(f), Max(f)
+
+
+def _rollup_stats(f: str) -> tuple[Any, Any, Any]:
+    """A bucket of rollup windows: min of mins, max of maxes, the windows' means weighted by their row counts."""
+    mean, weight = f"{f}_mean", Case(When(**{f"{f}_mean__isnull": False}, then=F("n")), output_field=FloatField())
+    return Min(f"{f}_min"), Sum(F(mean) * F("n"), output_field=FloatField()) / Sum(weight), Max(f"{f}_max")
+
+
 def downsample(qs: QuerySet[Any], tr: TimeRange, fields: list[str], by: list[str] | None = None,
-               ts: str = "ts") -> dict[str, dict[str, Any]]:
+               ts: str = "ts", stats: Callable[[str], tuple[Any, Any, Any]] = _raw_stats) -> dict[str, dict[str, Any]]:
     """Rows of ``qs`` in ``tr`` grouped into buckets of ``tr.bucket_s`` (per value of the ``by`` columns).
 
     Returns ``{group: {"t": [bucket start...], field: {"min": [...], "mean": [...], "max": [...]}}}`` where group is
-    the ``by`` values joined by "|" ("" without ``by``). Empty buckets are absent: the charts draw a gap there."""
+    the ``by`` values joined by "|" ("" without ``by``). Empty buckets are absent: the charts draw a gap there.
+    ``stats`` gives a field's (min, mean, max) aggregates: of raw rows by default, ``_rollup_stats`` for rollups."""
     by = by or []
     width = tr.bucket_s
     aggs: dict[str, Any] = {}
     for f in fields:
-        aggs[f"{f}__min"] = Min(f)
-        aggs[f"{f}__mean"] = Avg(f)
-        aggs[f"{f}__max"] = Max(f)
+        aggs[f"{f}__min"], aggs[f"{f}__mean"], aggs[f"{f}__max"] = stats(f)
     # Rows from the first whole bucket on: at most ``points`` buckets, whatever the range's ragged edges.
     rows = (in_range(qs, TimeRange(tr.first_bucket_t, tr.t1, tr.points), ts).annotate(bucket=Floor(Epoch(F(ts)) / width))
             .values(*by, "bucket").annotate(**aggs).order_by(*by, "bucket"))
@@ -122,3 +135,53 @@ def downsample(qs: QuerySet[Any], tr: TimeRange, fields: list[str], by: list[str
                 v = row[f"{f}__{stat}"]
                 series[f][stat].append(float(v) if v is not None else None)
     return out
+
+
+# -- tiers: raw rows for the hot window, 10 s and 1 min rollups beyond (dashboard.storage) -------------------------
+
+
+def tiered(tr: TimeRange, now: float | None = None) -> TimeRange:
+    """The tier a range is read from: the coarsest whose window fits in a bucket (fewest rows to group), or, for a
+    range older than what a finer tier keeps, the finest tier that still holds it. Raw until a rollup pass has run
+    (a new server, or one upgraded with raw rows only: the raw rows are all there is)."""
+    from django.conf import settings
+
+    from dashboard.storage.models import RollupState
+
+    conf = settings.CLUSTERDX
+    now = time.time() if now is None else now
+    raw_step = math.ceil((tr.t1 - tr.t0) / tr.points)
+    if raw_step < 10 and tr.t0 >= now - conf["RAW_RETENTION_HOURS"] * 3600:
+        return tr
+    if not RollupState.objects.filter(rolled_through__isnull=False).exists():
+        return tr
+    fine = replace(tr, tier=10)
+    # 10 s windows unless the buckets come out whole minutes anyway (then the 1 min rollups give the same, 6x cheaper).
+    if fine.bucket_s % 60 and tr.t0 >= now - conf["ROLLUP_10S_RETENTION_DAYS"] * 86400:
+        return fine
+    return replace(tr, tier=60)
+
+
+def downsample_tiered(model: type[Any], where: dict[str, Any], tr: TimeRange, fields: list[str],
+                      by: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """``downsample`` of ``model``'s rows matching ``where``, from the tier ``tr`` names: rollup windows up to the
+    last rollup pass, raw rows after it (the last bucket or two of a live chart), split on a bucket edge so that no
+    bucket mixes the two."""
+    qs = model._default_manager.filter(**where)
+    if tr.tier == 0:
+        return downsample(qs, tr, fields, by)
+    from dashboard.storage.models import ROLLUPS, RollupState
+
+    target = ROLLUPS[model][2][tr.tier]
+    through = RollupState.objects.values_list("rolled_through", flat=True).first()
+    split = math.floor(through.timestamp() / tr.bucket_s) * tr.bucket_s if through else tr.t0
+    at = datetime.fromtimestamp(split, UTC)
+    older = downsample(target._default_manager.filter(ts__lt=at, **where), tr, fields, by, stats=_rollup_stats)
+    newer = downsample(qs.filter(ts__gte=at), tr, fields, by) if split <= tr.t1 else {}
+    for key, series in newer.items():
+        into = older.setdefault(key, {"t": [], **{f: {"min": [], "mean": [], "max": []} for f in fields}})
+        into["t"] += series["t"]
+        for f in fields:
+            for stat in ("min", "mean", "max"):
+                into[f][stat] += series[f][stat]
+    return older

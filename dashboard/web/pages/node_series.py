@@ -16,7 +16,7 @@ from django.db.models.functions import Cast
 
 from dashboard.telemetry.models import GpuSample, HostSample, Node, PortSample, Probe
 from dashboard.web.links import link_url, node_url
-from dashboard.web.series import TimeRange, downsample, in_range
+from dashboard.web.series import TimeRange, downsample, downsample_tiered, in_range, tiered
 
 GPU_LINES = ["util_gpu_pct", "util_mem_pct", "mem_used_bytes", "power_w", "temp_c", "sm_clock_mhz", "mem_clock_mhz"]
 GPU_LIMITS = ["mem_total_bytes", "power_limit_w", "sm_clock_max_mhz", "mem_clock_max_mhz", "pcie_gen_max",
@@ -53,13 +53,11 @@ def _compact(series: dict[str, Any], keep: dict[str, tuple[str, ...]]) -> dict[s
 
 
 def gpu_series(node: Node, tr: TimeRange, gpu: int | None) -> dict[str, Any]:
-    qs: QuerySet[Any] = GpuSample.objects.filter(node=node)
-    if gpu is not None:
-        qs = qs.filter(gpu_index=gpu)
+    where: dict[str, Any] = {"node": node} if gpu is None else {"node": node, "gpu_index": gpu}
     fields = GPU_LINES + GPU_LIMITS + GPU_COUNTERS + GPU_FLOORS
     keep = {**{f: ("min", "mean", "max") for f in GPU_LINES}, **{f: ("max",) for f in GPU_LIMITS + GPU_COUNTERS},
             **{f: ("min",) for f in GPU_FLOORS}}
-    raw = downsample(qs, tr, fields, by=["gpu_index"])
+    raw = downsample_tiered(GpuSample, where, tr, fields, by=["gpu_index"])
     return {key: _compact(s, keep) for key, s in raw.items()}
 
 
@@ -102,8 +100,7 @@ def throttle_bands(node: Node, tr: TimeRange, gpu: int | None) -> dict[str, dict
 
 
 def host_series(node: Node, tr: TimeRange) -> dict[str, Any]:
-    qs = HostSample.objects.filter(node=node)
-    raw = downsample(qs, tr, [*HOST_LINES, "mem_total_bytes"]).get("")
+    raw = downsample_tiered(HostSample, {"node": node}, tr, [*HOST_LINES, "mem_total_bytes"]).get("")
     if raw is None:
         return {}
     keep = {**{f: ("min", "mean", "max") for f in HOST_LINES}, "mem_total_bytes": ("max",)}
@@ -194,6 +191,9 @@ def probe_series(node: Node, tr: TimeRange) -> dict[str, Any]:
 
 
 def node_series(node: Node, tr: TimeRange, gpu: int | None) -> dict[str, Any]:
+    # GPU and host series come from the tier the range needs (raw, 10 s or 1 min rollups); throttle reasons, NFS,
+    # ports and probes are read raw on the same (tier-aligned) buckets.
+    tr = tiered(tr)
     body: dict[str, Any] = {"range": {**tr.as_dict(), "points": tr.points}, "gpu": gpu,
                             "gpus": gpu_series(node, tr, gpu), "throttle": throttle_bands(node, tr, gpu)}
     if gpu is None:  # the GPU view draws only its GPU; the node page adds the host, its ports and its links

@@ -1,0 +1,205 @@
+"""Storage cost per tier: bytes per GPU per day of raw samples and of the 10 s and 1 min rollups, on each backend,
+and what a retention needs on disk at 2,048 nodes x 8 GPUs.
+
+    python benchmarks/storage.py                      # SQLite and PostgreSQL, 4 nodes x 8 GPUs, 2 simulated hours
+    python benchmarks/storage.py --nodes 8 --hours 4  # more data, the same ratios
+    python benchmarks/storage.py --backends sqlite
+
+Each backend runs in a child process on a fresh database (SQLite: a temporary data directory; PostgreSQL: a scratch
+database on ``--pg-url``'s server, dropped afterwards). The simulator's GPU and host samples (the values agents send,
+so the columns that are NULL on a real GPU are NULL here too) are inserted for ``--hours`` at 1 Hz, the rollup pass
+runs once over them, and the tables' real sizes are read: PostgreSQL ``pg_total_relation_size`` summed over each
+table's partitions (heap, TOAST and every index), SQLite ``dbstat`` pages of the table and its indexes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GPUS_PER_NODE = 8
+SCALE_NODES = 2048
+TABLES = {  # label -> (table, per GPU (True) or per node)
+    "raw GPU samples (1 Hz)": ("telemetry_gpusample", True),
+    "GPU rollups 10 s": ("storage_gpu_10s", True),
+    "GPU rollups 1 min": ("storage_gpu_1m", True),
+    "raw host samples (1 Hz)": ("telemetry_hostsample", False),
+    "host rollups 10 s": ("storage_host_10s", False),
+    "host rollups 1 min": ("storage_host_1m", False),
+}
+
+
+def _size(cursor: Any, vendor: str, table: str) -> int:
+    if vendor == "postgresql":
+        cursor.execute("SELECT coalesce(sum(pg_total_relation_size(relid)), 0) FROM pg_partition_tree(%s)", [table])
+        return int(cursor.fetchone()[0])
+    cursor.execute("SELECT coalesce(sum(pgsize), 0) FROM dbstat WHERE name IN "
+                   "(SELECT name FROM sqlite_master WHERE tbl_name = %s)", [table])
+    return int(cursor.fetchone()[0])
+
+
+def child(nodes: int, hours: float) -> dict[str, Any]:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+    from django.db import connection
+
+    from benchmarks.diagnosis import scenario_for
+    from collectors.sim.model import SimCluster
+    from dashboard.storage.rollup import roll_up
+    from dashboard.telemetry.models import Cluster, GpuSample, HostSample, Node
+
+    call_command("migrate", verbosity=0)
+    cluster = Cluster.objects.create(name=f"bench-storage-{int(time.time())}")
+    seconds = int(hours * 3600)
+    start = time.time() - seconds - 60
+    sim = SimCluster(scenario_for(None, nodes, GPUS_PER_NODE, 1)[0], start)
+    gpu_cols = {f.name for f in GpuSample._meta.fields} - {"id", "cluster", "node", "gpu_index", "ts"}
+    host_cols = {f.name for f in HostSample._meta.fields} - {"id", "cluster", "node", "ts"}
+    ids: dict[str, Node] = {}
+    from datetime import UTC, datetime, timedelta
+
+    a = time.perf_counter()
+    gpu_rows: list[GpuSample] = []
+    host_rows: list[HostSample] = []
+    for i in range(1, seconds + 1):
+        for b in sim.tick(start + i):
+            node = ids.get(b["host"]) or ids.setdefault(b["host"], Node.objects.create(cluster=cluster, hostname=b["host"]))
+            for g in b.get("gpus", []):
+                gpu_rows.append(GpuSample(cluster=cluster, node=node, gpu_index=g["index"],
+                                          ts=datetime.fromtimestamp(g["ts"], UTC),
+                                          **{k: v for k, v in g.items() if k in gpu_cols}))
+            for h in b.get("hosts", []):
+                host_rows.append(HostSample(cluster=cluster, node=node, ts=datetime.fromtimestamp(h["ts"], UTC),
+                                            **{k: v for k, v in h.items() if k in host_cols}))
+        if len(gpu_rows) >= 20_000 or i == seconds:
+            GpuSample.objects.bulk_create(gpu_rows, batch_size=2000)
+            HostSample.objects.bulk_create(host_rows, batch_size=2000)
+            gpu_rows, host_rows = [], []
+    fed = time.perf_counter() - a
+    a = time.perf_counter()
+    roll_up()
+    rolled = time.perf_counter() - a
+    # A steady-state pass: every node's last 5 min (the schedule) + 30 s margin + 30 s slack, minute-aligned.
+    from dashboard.storage.rollup import _roll, floor_to
+
+    end = datetime.fromtimestamp(start + seconds + 1, UTC)
+    node_ids = sorted(n.id for n in ids.values())
+    a = time.perf_counter()
+    _roll(node_ids, floor_to(end - timedelta(seconds=360), 60), end, None)
+    steady = time.perf_counter() - a
+    vendor = connection.vendor
+    with connection.cursor() as cursor:
+        if vendor == "postgresql":
+            cursor.execute("CHECKPOINT")
+        sizes = {label: _size(cursor, vendor, table) for label, (table, _) in TABLES.items()}
+    counts = {"gpus": GpuSample.objects.values("node_id", "gpu_index").distinct().count(),
+              "nodes": len(ids), "gpu_rows": GpuSample.objects.count(), "host_rows": HostSample.objects.count()}
+    return {"vendor": vendor, "sizes": sizes, "counts": counts, "hours": seconds / 3600, "feed_s": fed,
+            "rollup_s": rolled, "steady_s": steady}
+
+
+def run_backend(backend: str, args: argparse.Namespace) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    tmp = tempfile.mkdtemp(prefix="cdx-bench-storage-")
+    env["CLUSTERDX_DATA_DIR"] = tmp
+    db = None
+    if backend == "postgresql":
+        import psycopg
+
+        db = f"cdx_bench_storage_{os.getpid()}"
+        with psycopg.connect(args.pg_url, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{db}"')
+        env["DATABASE_URL"] = args.pg_url.rsplit("/", 1)[0] + "/" + db
+    try:
+        out = subprocess.run([sys.executable, __file__, "--child", "--nodes", str(args.nodes), "--hours", str(args.hours)],
+                             env=env, check=True, capture_output=True, text=True)
+        return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    except subprocess.CalledProcessError as exc:
+        sys.stderr.write(exc.stderr)
+        raise
+    finally:
+        if db is not None:
+            import psycopg
+
+            with psycopg.connect(args.pg_url, autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n < 2**40 else f"{n / 2**40:,.2f} TiB"
+
+
+def report(res: dict[str, Any], raw_hours: list[float], days_10s: list[float], days_1m: float) -> None:
+    c, days = res["counts"], res["hours"] / 24
+    print(f"\n{res['vendor']}: {c['nodes']} nodes, {c['gpus']} GPUs, {res['hours']:.1f} h at 1 Hz "
+          f"({c['gpu_rows']:,} GPU rows, {c['host_rows']:,} host rows); fed in {res['feed_s']:.0f} s, "
+          f"rollup pass {res['rollup_s']:.1f} s = {res['rollup_s'] / (c['nodes'] * res['hours']) * 1000:.0f} ms per "
+          f"node-hour")
+    # A steady pass covers each node's last 5 min plus margins; at scale it runs once per 5 min per node.
+    share = res["steady_s"] / c["nodes"] * SCALE_NODES / 300
+    print(f"  steady-state pass (5 min schedule): {res['steady_s'] * 1000:.0f} ms for {c['nodes']} nodes = "
+          f"{res['steady_s'] / c['nodes'] * 1000:.0f} ms per node; at {SCALE_NODES:,} nodes {share:.2f} of one core "
+          "(wall time, an upper bound on a loaded machine)")
+    per_day: dict[str, float] = {}
+    print(f"  {'tier':<26} {'bytes/GPU/day' :>14} {'bytes/row':>10}   (host tiers: per node)")
+    for label, (_, per_gpu) in TABLES.items():
+        unit = c["gpus"] if per_gpu else c["nodes"]
+        per_day[label] = res["sizes"][label] / unit / days
+        rows = c["gpu_rows"] if label.startswith("raw GPU") else c["host_rows"] if label.startswith("raw host") else None
+        width = 10 if "10 s" in label else 60 if "1 min" in label else 1
+        rows = rows or (unit * res["hours"] * 3600 / width)
+        print(f"  {label:<26} {per_day[label]:>14,.0f} {res['sizes'][label] / rows:>10,.0f}")
+    gpus, nodes = SCALE_NODES * GPUS_PER_NODE, SCALE_NODES
+
+    def fleet(prefix: str) -> float:  # bytes per day at scale of the tables whose label starts with prefix
+        return sum(per_day[k] * (gpus if TABLES[k][1] else nodes) for k in per_day if k.lower().startswith(prefix))
+
+    for d10 in days_10s:
+        roll = (fleet("gpu rollups 10") + fleet("host rollups 10")) * d10 + \
+            (fleet("gpu rollups 1 ") + fleet("host rollups 1 ")) * days_1m
+        for hours in raw_hours:
+            raw = fleet("raw") * hours / 24
+            # PostgreSQL drops whole days: up to one more day of raw rows is on disk just before a drop.
+            extra = (f" (up to {gib(fleet('raw') * (hours + 24) / 24 + roll)} with day partitions)"
+                     if res["vendor"] == "postgresql" else "")
+            print(f"  at {SCALE_NODES:,} nodes x {GPUS_PER_NODE} GPUs: raw {hours:g} h {gib(raw)} + 10 s {d10:g} d + "
+                  f"1 min {days_1m:g} d {gib(roll)} = {gib(raw + roll)}{extra}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--hours", type=float, default=2.0)
+    p.add_argument("--backends", nargs="*", default=["sqlite", "postgresql"], choices=["sqlite", "postgresql"])
+    p.add_argument("--pg-url", default=os.environ.get("CLUSTERDX_BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
+    p.add_argument("--raw-hours", type=float, nargs="*", default=[6.0, 72.0])
+    p.add_argument("--rollup-10s-days", type=float, nargs="*", default=[30.0, 7.0])
+    p.add_argument("--rollup-1m-days", type=float, default=30.0)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.nodes, args.hours)))
+        return 0
+    results = [run_backend(b, args) for b in args.backends]
+    if args.json:
+        print(json.dumps(results, indent=1))
+    for res in results:
+        report(res, args.raw_hours, args.rollup_10s_days, args.rollup_1m_days)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

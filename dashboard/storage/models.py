@@ -1,0 +1,91 @@
+"""Rollups: per window (10 s, 1 min) and per series owner, min / mean / max / last of every numeric column of a raw
+time-series table, with the count of raw rows (``n``) and the time of the last one (``last_ts``).
+
+One table per (raw table, tier), so that each tier's retention is dropping whole day partitions on PostgreSQL. Columns
+are ``<field>_<stat>``; the raw tables' numeric columns are listed here explicitly (a new wire field becomes a rollup
+column by a line here and a migration, never silently).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import models
+
+from dashboard.telemetry.models import Cluster, GpuSample, HostSample, Node
+
+STATS = ("min", "mean", "max", "last")
+TIERS = (10, 60)  # seconds; 60 is a multiple of 10, so a bucket of either tier never straddles the other's edge
+
+GPU_FIELDS = (
+    "util_gpu_pct", "util_mem_pct", "mem_used_bytes", "mem_total_bytes", "temp_c", "power_w", "power_limit_w",
+    "sm_clock_mhz", "sm_clock_max_mhz", "mem_clock_mhz", "mem_clock_max_mhz", "ecc_sbe_volatile", "ecc_dbe_volatile",
+    "ecc_sbe_aggregate", "ecc_dbe_aggregate", "retired_pages_sbe", "retired_pages_dbe", "remap_correctable",
+    "remap_uncorrectable", "pcie_replay_total", "pcie_gen", "pcie_gen_max", "pcie_width", "pcie_width_max",
+    "nvlink_links_up", "nvlink_links_total", "nvlink_crc_errors_total", "nvlink_replay_errors_total",
+    "nvlink_recovery_errors_total",
+)
+HOST_FIELDS = ("cpu_pct", "load1", "mem_used_bytes", "mem_total_bytes", "disk_read_bytes_per_s",
+               "disk_write_bytes_per_s", "net_rx_bytes_per_s", "net_tx_bytes_per_s")
+
+
+class StatField(models.FloatField):
+    """A statistic of a window: single precision on PostgreSQL (4 bytes, 7 significant digits; the charts draw 4), which
+    halves the rollups on disk. SQLite stores every REAL in 8 bytes, so it keeps double precision."""
+
+    def db_type(self, connection: Any) -> str | None:
+        return "real" if connection.vendor == "postgresql" else super().db_type(connection)
+
+
+def _rollup(name: str, table: str, keys: dict[str, models.Field[Any, Any]], fields: tuple[str, ...]) -> type[models.Model]:
+    """A concrete rollup model: (cluster, node, *keys, ts) identify a window, ts being the window's start."""
+    attrs: dict[str, Any] = {
+        "__module__": __name__,
+        "cluster": models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="+"),
+        "node": models.ForeignKey(Node, on_delete=models.CASCADE, related_name="+"),
+        **keys,
+        "ts": models.DateTimeField(),
+        "n": models.IntegerField(),  # raw rows summarised: the weight when late rows are merged in
+        "last_ts": models.DateTimeField(),  # the newest raw row's time: which "last" wins when late rows are merged
+    }
+    for f in fields:
+        for s in STATS:
+            attrs[f"{f}_{s}"] = StatField(null=True)
+    # The unique key is the upsert's conflict target and the node pages' index (node first, then time: a node's
+    # range is one index range scan whatever the GPU). ts is in it because PostgreSQL partitions by it.
+    unique = ["node", "ts", *keys]
+    attrs["Meta"] = type("Meta", (), {
+        "db_table": table,
+        "constraints": [models.UniqueConstraint(fields=unique, name=f"{table}_window")],
+        "indexes": [models.Index(fields=["ts"], name=f"{table}_ts")],  # SQLite's chunked retention
+    })
+    return type(name, (models.Model,), attrs)
+
+
+def _gpu_keys() -> dict[str, models.Field[Any, Any]]:
+    return {"gpu_index": models.PositiveSmallIntegerField()}
+
+
+GpuRollup10s = _rollup("GpuRollup10s", "storage_gpu_10s", _gpu_keys(), GPU_FIELDS)
+GpuRollup1m = _rollup("GpuRollup1m", "storage_gpu_1m", _gpu_keys(), GPU_FIELDS)
+HostRollup10s = _rollup("HostRollup10s", "storage_host_10s", {}, HOST_FIELDS)
+HostRollup1m = _rollup("HostRollup1m", "storage_host_1m", {}, HOST_FIELDS)
+
+# raw model -> (its extra key columns, the rolled-up fields, tier seconds -> rollup model)
+ROLLUPS: dict[type[models.Model], tuple[tuple[str, ...], tuple[str, ...], dict[int, type[models.Model]]]] = {
+    GpuSample: (("gpu_index",), GPU_FIELDS, {10: GpuRollup10s, 60: GpuRollup1m}),
+    HostSample: ((), HOST_FIELDS, {10: HostRollup10s, 60: HostRollup1m}),
+}
+
+
+class RollupState(models.Model):
+    """One row: how far the rollup pass and the raw retention have got.
+
+    ``received_through``: batches received before it (less a margin, see dashboard.storage.rollup) have been rolled
+    up. ``rolled_through``: the pass's start; the pages read rollups before it and raw rows after it.
+    ``raw_purged_through``: raw rows of the rolled-up tables older than it were purged, so a window before it can no
+    longer be recomputed from raw; late rows for it are merged into the rollup instead."""
+
+    received_through = models.DateTimeField(null=True)
+    rolled_through = models.DateTimeField(null=True)
+    raw_purged_through = models.DateTimeField(null=True)

@@ -1,0 +1,13 @@
+"""Periodic work of the storage tiers (scheduled in dashboard.celery.SCHEDULE; retention runs from
+dashboard.telemetry.tasks.purge_old_samples)."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from dashboard.storage import rollup
+
+
+@shared_task(name="dashboard.storage.tasks.roll_up")
+def roll_up() -> int:
+    return rollup.roll_up()
