@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 from django.db.models import Q
 from django.utils import timezone
 
+from dashboard import metrics
 from dashboard.alerts import alert as alerts
 from dashboard.alerts import base, conf, http
 from dashboard.alerts.models import Delivery
@@ -99,6 +100,8 @@ def _why_not_send(delivery: Delivery) -> str:
 def record(delivery: Delivery, number: int, result: http.HttpResult) -> Next:
     error = redact(result.error, delivery)
     common = {"response_code": result.status, "duration_ms": round(result.duration_ms, 2), "last_error": error}
+    metrics.ALERT_DELIVERIES.labels("delivered" if result.delivered else "retryable" if result.retryable
+                                    else "failed").inc()
     if result.delivered:
         _finish(delivery.id, number, status=S.DELIVERED, **common)
         return Next(number)

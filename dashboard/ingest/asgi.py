@@ -2,12 +2,14 @@
 
 Every node posts every second: at 512 nodes Django's per-request machinery (request object, middleware stack, a
 new thread-sensitive context and thread per request) cost more than storing the batch. This path reads the body
-in the event loop (bounded), and runs the same checks and storage as the Django view (:mod:`.views`) on a small
-fixed pool of threads whose database connections are reused.
+in the event loop (bounded), and runs the same checks as the Django view (:mod:`.views`) on a small fixed pool of
+threads whose database connections are reused. A valid batch then waits for its group commit in the event loop,
+not in a thread: hundreds of batches can wait for the same commit while the pool validates the next ones.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +18,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.db import DatabaseError, close_old_connections
 
-from dashboard.ingest.views import Answer, _limit, _refuse, check_request, handle_body
+from dashboard.ingest.views import Answer, Waiting, _limit, _refuse, begin, check_request, counted, finish, finish_failed
 from dashboard.telemetry import tokens
 
 PATH = "/api/v1/ingest"
@@ -26,12 +28,19 @@ _pool = ThreadPoolExecutor(max_workers=int(os.environ.get("CLUSTERDX_INGEST_THRE
                            thread_name_prefix="ingest")
 
 
-def _in_thread(headers: dict[str, str], body: bytes | None, limit: int) -> Answer:
+def _in_thread(headers: dict[str, str], body: bytes | None, limit: int) -> Answer | Waiting:
     close_old_connections()  # as Django does around each request: drop a broken or expired connection
     try:
-        return handle_body(headers, body, limit)
+        return begin(headers, body, limit)
     finally:
         close_old_connections()
+
+
+async def _committed(waiting: Waiting) -> Answer:
+    try:
+        return finish(waiting, await asyncio.wrap_future(waiting.future))
+    except Exception as exc:
+        return finish_failed(waiting, exc)
 
 
 def _token_known(headers: dict[str, str]) -> bool:
@@ -70,8 +79,9 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if answer is None:
         limit = _limit()
         body = await _read(receive, limit, headers.get("content-length"))
-        answer = await sync_to_async(_in_thread, thread_sensitive=False, executor=_pool)(headers, body, limit)
-    status, payload, extra = answer
+        step = await sync_to_async(_in_thread, thread_sensitive=False, executor=_pool)(headers, body, limit)
+        answer = await _committed(step) if isinstance(step, Waiting) else step
+    status, payload, extra = counted(answer)
     data = json.dumps(payload).encode()
     out = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     out += [(k.lower().encode(), v.encode()) for k, v in extra.items()]

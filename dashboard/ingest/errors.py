@@ -20,6 +20,8 @@ ERRORS: dict[str, tuple[int, str]] = {
                         "back): renumber the batch and send it again"),
     "too_large": (413, "the body, compressed or decompressed, is over the limit"),
     "unsupported_media_type": (415, "Content-Type must be application/json; Content-Encoding gzip or identity"),
+    "busy": (429, "the server's write queue is full; the batch was not stored: send it again after Retry-After "
+                  "seconds (the body's send_interval_s is the least interval between posts the server wants)"),
     "unavailable": (503, "the database is unavailable; retry later (the batch was not stored)"),
 }
 

@@ -7,11 +7,13 @@ written until the whole batch has validated: a refused batch changes nothing.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
+import math
 import time
 import zlib
 from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import DatabaseError
@@ -19,8 +21,11 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from clusterdx import wire
+from dashboard import metrics
+from dashboard.ingest import commit
 from dashboard.ingest.errors import ERRORS
-from dashboard.ingest.writer import store_batch
+from dashboard.ingest.writer import Stored
+from dashboard.telemetry import models as m
 from dashboard.telemetry import tokens
 
 log = logging.getLogger(__name__)
@@ -82,6 +87,7 @@ def _refuse(code: str, detail: str) -> Answer:
     return status, {"error": code, "detail": detail}, ({"Retry-After": "5"} if status == 503 else {})
 
 
+
 def check_request(method: str, headers: Mapping[str, str]) -> Answer | None:
     """What can be refused from the request line and headers alone (``headers`` with lower-case names)."""
     if method != "POST":
@@ -98,8 +104,9 @@ def check_request(method: str, headers: Mapping[str, str]) -> Answer | None:
     return None
 
 
-def handle_body(headers: Mapping[str, str], body: bytes | None, limit: int) -> Answer:
-    """The rest, once the headers passed: token, size, encoding, JSON, wire format, then storage.
+def begin(headers: Mapping[str, str], body: bytes | None, limit: int) -> Answer | Waiting:
+    """The rest, once the headers passed: token, size, encoding, JSON, wire format, then the batch goes to the group
+    writer (:mod:`.commit`), or is refused with 429 ``busy`` when its queue is full.
 
     ``body`` is None when it was over ``limit``. Nothing is written unless every check passed."""
     token = tokens.lookup(headers["authorization"][len("Bearer "):].strip())
@@ -115,15 +122,11 @@ def handle_body(headers: Mapping[str, str], body: bytes | None, limit: int) -> A
         except zlib.error as exc:
             return _refuse("bad_encoding", f"invalid gzip body: {exc}")
     try:
-        payload = json.loads(body)
-    except (ValueError, RecursionError) as exc:
+        batch = wire.parse_batch(body)  # decoded and validated in one pass (msgspec types generated from the wire)
+    except wire.MalformedJson as exc:
         return _refuse("malformed_json", f"invalid JSON: {str(exc)[:200]}")
-    try:
-        batch = wire.validate_batch(payload)
     except wire.WireError as exc:
         return _refuse("invalid_batch", str(exc)[:500])
-    except RecursionError:
-        return _refuse("invalid_batch", "nesting too deep")
     cluster = token.cluster
     if batch["cluster"] is not None and batch["cluster"] != cluster.name:
         return _refuse("wrong_cluster", f"token is for cluster {cluster.name!r}, batch names {batch['cluster']!r}")
@@ -136,16 +139,90 @@ def handle_body(headers: Mapping[str, str], body: bytes | None, limit: int) -> A
         return _refuse("clock_skew", skew)
     try:
         tokens.mark_used(token)
+        interval = send_interval(cluster.id)
         # Producers resend a batch byte for byte (the agent its spooled body): the same seq with other bytes is a
         # reused seq. The body's hash costs 1/50 of validating it; a canonical re-encoding would cost half as much.
-        result = store_batch(cluster, batch, hashlib.sha256(body).hexdigest())
+        future = commit.submit(cluster, batch, hashlib.sha256(body).hexdigest())
+    except commit.Busy:
+        return _busy(send_interval(cluster.id))
     except DatabaseError as exc:
-        log.warning("ingest: database unavailable for %s seq %s: %s", batch["agent_id"], batch["seq"], exc)
-        return _refuse("unavailable", "database unavailable; the batch was not stored, retry it")
+        return _unavailable(batch, exc)
+    return Waiting(future, batch, interval)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A valid batch handed to the group writer: the answer comes once its commit has decided it."""
+
+    future: Future[Stored]
+    batch: dict[str, Any]
+    send_interval_s: float
+
+
+def handle_body(headers: Mapping[str, str], body: bytes | None, limit: int) -> Answer:
+    """Checks, stores and answers, blocking this thread until the batch's commit (the Django view)."""
+    step = begin(headers, body, limit)
+    if isinstance(step, Waiting):
+        try:
+            return finish(step, step.future.result())
+        except DatabaseError as exc:
+            return finish_failed(step, exc)
+    return step
+
+
+def finish(waiting: Waiting, result: Stored) -> Answer:
+    batch = waiting.batch
     if result.status == "seq_reused":
-        return _refuse("seq_reused", f"seq {batch['seq']} of {batch['agent_id']} was already stored with other content; "
-                                     "renumber the batch (a seq this agent never used) and send it again")
-    return 200, {"status": result.status, "seq": batch["seq"], "records": result.records}, {}
+        return _refuse("seq_reused", f"seq {batch['seq']} of {batch['agent_id']} was already stored with other "
+                                     "content; renumber the batch (a seq this agent never used) and send it again")
+    return 200, {"status": result.status, "seq": batch["seq"], "records": result.records,
+                 "send_interval_s": waiting.send_interval_s}, {}
+
+
+def finish_failed(waiting: Waiting, exc: Exception) -> Answer:
+    """The commit failed: a database error is a 503 the agent retries; anything else is a bug and raises (500)."""
+    if isinstance(exc, DatabaseError):
+        return _unavailable(waiting.batch, exc)
+    raise exc
+
+
+def _unavailable(batch: dict[str, Any], exc: Exception) -> Answer:
+    log.warning("ingest: database unavailable for %s seq %s: %s", batch["agent_id"], batch["seq"], exc)
+    return _refuse("unavailable", "database unavailable; the batch was not stored, retry it")
+
+
+def _busy(interval: float) -> Answer:
+    wait = max(1, math.ceil(interval))
+    status, body, _ = _refuse("busy", f"the write queue is full; the batch was not stored, send it again in {wait} s")
+    return status, {**body, "send_interval_s": interval}, {"Retry-After": str(wait)}
+
+
+def counted(answer: Answer) -> Answer:
+    """Both doors count every answer once: 200s by status, refusals by error code."""
+    status, body, _ = answer
+    if status == 200:
+        metrics.INGEST_ACCEPTED.labels(body["status"]).inc()
+    else:
+        metrics.INGEST_REFUSED.labels(body.get("error", "unknown")).inc()
+    return answer
+
+
+_nodes: dict[int, tuple[float, int]] = {}  # cluster id -> (when counted, node count)
+NODE_COUNT_EVERY_S = 30.0
+
+
+def send_interval(cluster_id: int) -> float:
+    """The least seconds between one agent's posts this server asks for: 1 s until the cluster has more nodes than
+    CLUSTERDX_INGEST_NODES_PER_S, then as many seconds as it takes to keep within that budget (agents keep sampling
+    at their own interval and send several samples per batch). The node count is re-read every 30 s."""
+    from django.conf import settings
+
+    now = time.monotonic()
+    seen = _nodes.get(cluster_id)
+    if seen is None or now - seen[0] >= NODE_COUNT_EVERY_S:
+        seen = _nodes[cluster_id] = (now, m.Node.objects.filter(cluster_id=cluster_id).count())
+    budget = int(settings.CLUSTERDX["INGEST_NODES_PER_S"])
+    return float(max(1, math.ceil(seen[1] / budget)))
 
 
 @csrf_exempt
@@ -156,7 +233,7 @@ def ingest(request: HttpRequest) -> HttpResponse:
     if answer is None:
         limit = _limit()
         answer = handle_body(headers, _read_body(request, limit), limit)
-    status, body, extra = answer
+    status, body, extra = counted(answer)
     response = JsonResponse(body, status=status)
     for name, value in extra.items():
         response[name] = value

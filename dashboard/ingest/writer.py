@@ -1,22 +1,25 @@
-"""Stores one validated batch: the idempotency row, the inventory it implies, and the time series (bulk inserts).
+"""Stores validated batches: the idempotency rows, the inventory they imply, and the time series (bulk inserts).
 
-Everything happens in one transaction, so a batch is either stored whole or not at all; the live update is sent only
-after the commit (``transaction.on_commit``), so a browser never sees data the database does not have.
+:func:`store_group` stores a group of batches in one transaction (the group commit of :mod:`.commit`);
+:func:`store_batch` one batch in its own. Either way a batch is stored whole or not at all, and the live update is
+sent only after the commit (``transaction.on_commit``), so a browser never sees data the database does not have.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from django.db import IntegrityError, connection, models, transaction
+from django.db import DatabaseError, IntegrityError, connection, models, transaction
 from django.db.models import Q
 
 from clusterdx import wire
-from dashboard.live.publish import publish_batch
+from dashboard.live.publish import publish_batches
 from dashboard.telemetry import models as m
 from dashboard.telemetry.tasks import purged_through
 
@@ -84,20 +87,32 @@ class _Inventory:
         else:
             transaction.on_commit(lambda: cache.__setitem__(key, value))
 
-    def node_id(self, cluster: m.Cluster, host: str, agent_id: str) -> int:
+    def node_id(self, cluster: m.Cluster, host: str, agent_id: str,
+                memo: dict[tuple[int, str], int] | None = None) -> int:
+        """``memo``: ids this transaction found or created, for its later batches (the cache fills at commit)."""
         key = (cluster.id, host)
         node_id = self.nodes.get(key)
+        if node_id is None and memo is not None:
+            node_id = memo.get(key)
         if node_id is None:
             node, _ = m.Node.objects.get_or_create(cluster=cluster, hostname=host, defaults={"agent_id": agent_id})
             node_id = node.id
             self.after_commit(self.nodes, key, node_id)
+            if memo is not None:
+                memo[key] = node_id
         return node_id
 
-    def touch_node(self, node_id: int, when: datetime) -> None:
+    def seen_due(self, node_id: int) -> bool:
+        """Whether the node's ``last_seen`` is due for a write (at most every LAST_SEEN_EVERY_S); notes it if so."""
         now = time.monotonic()
-        if now - self.node_seen.get(node_id, 0.0) >= LAST_SEEN_EVERY_S:
+        if now - self.node_seen.get(node_id, 0.0) < LAST_SEEN_EVERY_S:
+            return False
+        self.node_seen[node_id] = now
+        return True
+
+    def touch_node(self, node_id: int, when: datetime) -> None:
+        if self.seen_due(node_id):
             m.Node.objects.filter(id=node_id).update(last_seen=when)
-            self.node_seen[node_id] = now
 
     def place_node(self, node_id: int, topology: dict[str, Any] | None) -> None:
         """Store the node's rack and switch when its agent reports new ones; unchanged costs a dict lookup.
@@ -123,13 +138,39 @@ class _Inventory:
         )
         self.after_commit(self.gpus, key)
 
-    def run_id(self, cluster: m.Cluster, name: str) -> int:
+    def note_gpus(self, seen: list[tuple[int, dict[str, Any]]]) -> None:
+        """:meth:`note_gpu` for a whole group: GPUs not seen yet cost one read and one bulk INSERT, not a query
+        each (a server that starts under 2,048 nodes meets 16,384 of them in its first seconds)."""
+        new: dict[tuple[int, int], tuple[tuple[int, int, str | None], tuple[str, str, str]]] = {}
+        for node_id, g in seen:
+            key = (node_id, g["index"], g["uuid"])
+            if key not in self.gpus:
+                new[(node_id, g["index"])] = (key, (g["uuid"] or "", g["name"] or "", g["pci_bus_id"] or ""))
+        if not new:
+            return
+        have = {(n, i): (u, name, pci) for n, i, u, name, pci in m.Gpu.objects.filter(
+            node_id__in={n for n, _ in new}).values_list("node_id", "index", "uuid", "name", "pci_bus_id")}
+        create = []
+        for (node_id, index), (key, want) in new.items():
+            if (node_id, index) not in have:
+                create.append(m.Gpu(node_id=node_id, index=index, uuid=want[0], name=want[1], pci_bus_id=want[2]))
+            elif have[(node_id, index)] != want:  # a GPU swapped in that slot: rare
+                m.Gpu.objects.filter(node_id=node_id, index=index).update(uuid=want[0], name=want[1], pci_bus_id=want[2])
+            self.after_commit(self.gpus, key)
+        # Another process inserting the same GPU meanwhile fails this group's commit; it is then stored batch by batch.
+        m.Gpu.objects.bulk_create(create)
+
+    def run_id(self, cluster: m.Cluster, name: str, memo: dict[tuple[int, str], int] | None = None) -> int:
         key = (cluster.id, name)
         run_id = self.runs.get(key)
+        if run_id is None and memo is not None:
+            run_id = memo.get(key)
         if run_id is None:
             run, _ = m.Run.objects.get_or_create(cluster=cluster, name=name)
             run_id = run.id
             self.after_commit(self.runs, key, run_id)
+            if memo is not None:
+                memo[key] = run_id
         return run_id
 
 
@@ -198,21 +239,23 @@ def _store(cluster: m.Cluster, batch: dict[str, Any], digest: str) -> Stored:
         inventory.place_node(node_id, batch["topology"])
         runs = _run_ids(cluster, batch)
         _store_run_meta(cluster, node_id, batch["runs"], runs)
-        _store_series(cluster, node_id, batch, runs)
+        rows = _new_rows()
+        _collect_series(rows, cluster, node_id, batch, runs)
+        _insert_rows(rows)
         _advance_runs(batch["steps"], runs)
         transaction.on_commit(lambda: _committed(cluster.id, batch["agent_id"], batch["seq"]))
-        transaction.on_commit(lambda: _publish(cluster.id, batch["host"], batch, runs))
+        transaction.on_commit(lambda: _publish([(cluster.id, batch["host"], batch, runs)]))
     return Stored("accepted", records)
 
 
-def _publish(cluster_id: int, host: str, batch: dict[str, Any], runs: dict[str, int]) -> None:
-    """The live view after the commit. The batch is stored by now: a live layer that is down (Redis restarting) costs
-    the browsers this batch's deltas, never the agent an error for data the server keeps (a 500 here made it retry
+def _publish(items: list[tuple[int, str, dict[str, Any], dict[str, int]]]) -> None:
+    """The live view after the commit. The batches are stored by now: a live layer that is down (Redis restarting)
+    costs the browsers these deltas, never the agent an error for data the server keeps (a 500 here made it retry
     into a "duplicate" and the live view never showed the batch; the chaos suite found it)."""
     try:
-        publish_batch(cluster_id, host, batch, runs)
+        publish_batches(items)
     except Exception:
-        log.warning("live update of %s's batch failed; the batch is stored", host, exc_info=True)
+        log.warning("live update of %d stored batch(es) failed; they are stored", len(items), exc_info=True)
 
 
 # Drop reasons that count whole batches the agent could not keep (the rest count records): each report of them
@@ -237,10 +280,10 @@ def _with_gap_event(batch: dict[str, Any], received: datetime) -> dict[str, Any]
     return {**batch, "events": [*batch["events"], event]}
 
 
-def _run_ids(cluster: m.Cluster, batch: dict[str, Any]) -> dict[str, int]:
+def _run_ids(cluster: m.Cluster, batch: dict[str, Any], memo: dict[tuple[int, str], int] | None = None) -> dict[str, int]:
     names = {s["run"] for s in batch["steps"]} | {r["run"] for r in batch["runs"]}
     names |= {e["run"] for e in batch["events"] if e["run"]}
-    return {name: inventory.run_id(cluster, name) for name in names}
+    return {name: inventory.run_id(cluster, name, memo) for name in names}
 
 
 def _store_run_meta(cluster: m.Cluster, node_id: int, metas: list[dict[str, Any]], runs: dict[str, int]) -> None:
@@ -267,36 +310,105 @@ def _store_run_meta(cluster: m.Cluster, node_id: int, metas: list[dict[str, Any]
         inventory.after_commit(inventory.run_meta, key, stable)
 
 
+RUN_WIDE = ("versions", "parallel", "flops_per_token", "peak_flops", "dtype", "params", "gpu_name",
+            "last_checkpoint_step", "last_checkpoint_ts")
+Meta = tuple[m.Cluster, int, dict[str, Any], int]  # cluster, the posting node, one rank's RunMeta, its run id
+
+
+def _store_run_metas(metas: list[Meta], memo: dict[tuple[int, str], int]) -> None:
+    """:func:`_store_run_meta` for a whole group: the ranks that changed in one read and one bulk INSERT (plus an
+    UPDATE per changed existing rank), and each run's row once, not once per rank (a run's first second brings
+    every rank's metadata at once)."""
+    changed: dict[tuple[int, int], tuple[int, dict[str, Any], dict[str, Any]]] = {}
+    for cluster, node_id, meta, run_id in metas:
+        key = (run_id, meta["rank"])
+        stable = {k: v for k, v in meta.items() if k != "ts"}
+        if inventory.run_meta.get(key) == stable:
+            continue  # hooks resend metadata on change and now and then; unchanged costs nothing
+        rank_node = inventory.node_id(cluster, meta["host"], "", memo) if meta["host"] else node_id
+        changed[key] = (rank_node, meta, stable)
+    if not changed:
+        return
+    have = {(r, k): pk for r, k, pk in m.Rank.objects.filter(run_id__in={r for r, _ in changed}).values_list(
+        "run_id", "rank", "id") if (r, k) in changed}
+    create, now, runs = [], datetime.now(tz=UTC), {}
+    for (run_id, rank), (node_id, meta, stable) in changed.items():
+        fields = {"node_id": node_id, "local_rank": meta["local_rank"], "gpu_index": meta["gpu_index"], "meta": stable}
+        if (run_id, rank) in have:
+            m.Rank.objects.filter(id=have[(run_id, rank)]).update(updated_at=now, **fields)
+        else:
+            create.append(m.Rank(run_id=run_id, rank=rank, **fields))
+        wide = runs.get(run_id, (0, {}))[1]  # the last rank's world size, every rank's run-wide fields
+        runs[run_id] = (meta["world_size"], {**wide, **{k: meta[k] for k in RUN_WIDE if meta[k] is not None}})
+        inventory.after_commit(inventory.run_meta, (run_id, rank), stable)
+    m.Rank.objects.bulk_create(create)
+    for run_id in sorted(runs):
+        world, wide = runs[run_id]
+        run = m.Run.objects.select_for_update().get(id=run_id)
+        run.world_size = world
+        run.meta = {**run.meta, **wide}
+        run.save(update_fields=["world_size", "meta"])
+
+
+def _sqlite_datetime(value: datetime) -> str:
+    # What Django's SQLite backend stores for an aware datetime under USE_TZ (naive UTC, str()), without its
+    # per-value field machinery (most of the ingest cost once the statements are batched).
+    return str(value.replace(tzinfo=None))
+
+
+def _json_text(value: Any) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
+def _json_pg(value: Any) -> Any:
+    from psycopg.types.json import Jsonb
+
+    return None if value is None else Jsonb(value)
+
+
 class _Table:
-    """A prepared multi-row INSERT for one time-series table.
+    """A prepared bulk INSERT for one time-series table: ``COPY`` on PostgreSQL, ``executemany`` elsewhere.
 
     The ORM's bulk_create builds a model instance and compiles SQL for every batch; at thousands of rows per second
     that is most of the ingest cost. Here the statement is built once and values are adapted only for the columns
-    that need it (timestamps, JSON), through the fields' own ``get_db_prep_save`` so both backends stay correct.
+    that need it, as the backend's own adapters would (timestamps on SQLite, JSON): PostgreSQL takes aware datetimes
+    as they are, and COPY streams a whole group's rows in one round trip.
     """
 
     def __init__(self, model: type[models.Model], names: list[str]) -> None:
         fields = [model._meta.get_field(n) for n in names]
         quote = connection.ops.quote_name
-        self.sql = (f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(quote(f.column) for f in fields)}) "
-                    f"VALUES ({', '.join(['%s'] * len(fields))})")
-        self.adapt = [f.get_db_prep_save if isinstance(f, (models.DateTimeField, models.JSONField)) else None
-                      for f in fields]
+        columns = ", ".join(quote(f.column) for f in fields)
+        self.copy = connection.vendor == "postgresql"
+        self.sql = (f"COPY {quote(model._meta.db_table)} ({columns}) FROM STDIN" if self.copy else
+                    f"INSERT INTO {quote(model._meta.db_table)} ({columns}) VALUES ({', '.join(['%s'] * len(fields))})")
+        self.adapt: list[tuple[int, Callable[[Any], Any]]] = []
+        for i, f in enumerate(fields):
+            if isinstance(f, models.JSONField):
+                self.adapt.append((i, _json_pg if self.copy else _json_text))
+            elif isinstance(f, models.DateTimeField) and not self.copy:
+                self.adapt.append((i, _sqlite_datetime))
 
     def insert(self, rows: list[list[Any]]) -> None:
         if not rows:
             return
-        adapt = self.adapt
-        values = [[a(v, connection) if a is not None else v for a, v in zip(adapt, row, strict=True)] for row in rows]
+        for i, adapt in self.adapt:
+            for row in rows:
+                row[i] = adapt(row[i])
         with connection.cursor() as cursor:
-            cursor.executemany(self.sql, values)
+            if self.copy:
+                with cursor.cursor.copy(self.sql) as copy:
+                    for row in rows:
+                        copy.write_row(row)
+            else:
+                cursor.executemany(self.sql, rows)
 
 
 _tables: dict[str, _Table] = {}
 
 
 def _table(model: type[models.Model], names: list[str]) -> _Table:
-    key = f"{connection.alias}:{model.__name__}"
+    key = f"{connection.alias}:{connection.vendor}:{model.__name__}"
     table = _tables.get(key)
     if table is None:
         table = _tables[key] = _Table(model, names)
@@ -311,20 +423,37 @@ EVENT_COLS = ["cluster", "node", "run", "ts", *EVENT_FIELDS]
 PROBE_COLS = ["cluster", "node", "ts", *PROBE_FIELDS]
 
 
-def _store_series(cluster: m.Cluster, node_id: int, batch: dict[str, Any], runs: dict[str, int]) -> None:
+SERIES: list[tuple[type[models.Model], list[str]]] = [
+    (m.GpuSample, GPU_COLS), (m.HostSample, HOST_COLS), (m.PortSample, PORT_COLS), (m.StepSample, STEP_COLS),
+    (m.Event, EVENT_COLS), (m.Probe, PROBE_COLS)]
+Rows = dict[type[models.Model], list[list[Any]]]  # model -> rows (in its column order) still to insert
+
+
+def _new_rows() -> Rows:
+    return {model: [] for model, _ in SERIES}
+
+
+def _collect_series(rows: Rows, cluster: m.Cluster, node_id: int, batch: dict[str, Any], runs: dict[str, int],
+                    gpus: list[tuple[int, dict[str, Any]]] | None = None) -> None:
+    """The batch's rows into ``rows``; its GPUs into ``gpus`` for :meth:`_Inventory.note_gpus` (or noted now)."""
     c, n = cluster.id, node_id
-    for g in batch["gpus"]:
-        inventory.note_gpu(node_id, g)
-    _table(m.GpuSample, GPU_COLS).insert(
-        [[c, n, g["index"], _dt(g["ts"]), *[g[f] for f in GPU_FIELDS]] for g in batch["gpus"]])
-    _table(m.HostSample, HOST_COLS).insert([[c, n, _dt(h["ts"]), *[h[f] for f in HOST_FIELDS]] for h in batch["hosts"]])
-    _table(m.PortSample, PORT_COLS).insert([[c, n, _dt(p["ts"]), *[p[f] for f in PORT_FIELDS]] for p in batch["ports"]])
-    _table(m.StepSample, STEP_COLS).insert(
-        [[c, n, runs[s["run"]], _dt(s["ts"]), *[s[f] for f in STEP_FIELDS]] for s in batch["steps"]])
-    _table(m.Event, EVENT_COLS).insert(
-        [[c, n, runs[e["run"]] if e["run"] else None, _dt(e["ts"]), *[e[f] for f in EVENT_FIELDS]]
-         for e in batch["events"]])
-    _table(m.Probe, PROBE_COLS).insert([[c, n, _dt(p["ts"]), *[p[f] for f in PROBE_FIELDS]] for p in batch["probes"]])
+    if gpus is None:
+        for g in batch["gpus"]:
+            inventory.note_gpu(node_id, g)
+    else:
+        gpus += [(node_id, g) for g in batch["gpus"]]
+    rows[m.GpuSample] += [[c, n, g["index"], _dt(g["ts"]), *[g[f] for f in GPU_FIELDS]] for g in batch["gpus"]]
+    rows[m.HostSample] += [[c, n, _dt(h["ts"]), *[h[f] for f in HOST_FIELDS]] for h in batch["hosts"]]
+    rows[m.PortSample] += [[c, n, _dt(p["ts"]), *[p[f] for f in PORT_FIELDS]] for p in batch["ports"]]
+    rows[m.StepSample] += [[c, n, runs[s["run"]], _dt(s["ts"]), *[s[f] for f in STEP_FIELDS]] for s in batch["steps"]]
+    rows[m.Event] += [[c, n, runs[e["run"]] if e["run"] else None, _dt(e["ts"]), *[e[f] for f in EVENT_FIELDS]]
+                      for e in batch["events"]]
+    rows[m.Probe] += [[c, n, _dt(p["ts"]), *[p[f] for f in PROBE_FIELDS]] for p in batch["probes"]]
+
+
+def _insert_rows(rows: Rows) -> None:
+    for model, cols in SERIES:
+        _table(model, cols).insert(rows[model])
 
 
 def _count(batch: dict[str, Any]) -> int:
@@ -348,3 +477,147 @@ def _advance_runs(steps: list[dict[str, Any]], runs: dict[str, int]) -> None:
         when = _dt(ts)
         m.Run.objects.filter(Q(last_step_at__isnull=True) | Q(last_step_at__lt=when), id=run_id).update(
             last_step=step, last_step_at=when)
+
+
+# --- group commit -------------------------------------------------------------------------------------------------
+Job = tuple[m.Cluster, dict[str, Any], str]  # a validated batch with its cluster and its content digest
+Outcome = Stored | Exception
+BATCH_COLS = ["cluster", "agent_id", "seq", "host", "received_at", "sent_at", "records", "dropped", "digest"]
+
+
+def store_group(jobs: list[Job]) -> list[Outcome]:
+    """Store several validated batches in one transaction: one outcome per job, in order, all decided by one commit.
+
+    The normal path is set-based (one INSERT of the idempotency rows, one COPY or executemany per series table), so a
+    group of 200 batches costs a handful of statements. Whatever fails it (a deadlock with another process's group, a
+    row that a cached id points at deleted meanwhile, a value the database refuses) rolls the group back and stores
+    its batches one transaction each, so one failing batch fails alone. A database that is gone fails them all
+    (the caller answers 503, the agents retry)."""
+    try:
+        with transaction.atomic():
+            return _store_set(jobs)
+    except Exception as exc:  # a bug one batch triggers must not fail the batches grouped with it, again and again
+        if isinstance(exc, DatabaseError) and not isinstance(exc, IntegrityError) and not _usable():
+            return [exc] * len(jobs)
+        log.warning("ingest: a group of %d batches failed (%r); storing them one by one", len(jobs), exc,
+                    exc_info=not isinstance(exc, DatabaseError))
+        clear_caches()
+    out: list[Outcome] = []
+    for cluster, batch, digest in jobs:
+        try:
+            out.append(store_batch(cluster, batch, digest))
+        except Exception as exc:  # this batch's answer (503 or 500); the others still get theirs
+            out.append(exc)
+    return out
+
+
+def _usable() -> bool:
+    try:
+        return connection.connection is not None and connection.is_usable()
+    except Exception:
+        return False
+
+
+def _key(job: Job) -> tuple[int, str, int]:
+    return job[0].id, job[1]["agent_id"], job[1]["seq"]
+
+
+def _store_set(jobs: list[Job]) -> list[Outcome]:
+    received = datetime.now(tz=UTC)
+    out: list[Outcome | None] = [None] * len(jobs)
+    claims: dict[tuple[int, str, int], int] = {}  # (cluster, agent, seq) -> the job that inserts it
+    for i, job in enumerate(jobs):
+        if _late_retry(*_key(job)):
+            out[i] = Stored("duplicate", 0)  # a late retry whose record retention has purged: never stored twice
+        else:
+            claims.setdefault(_key(job), i)
+    won = _claim([jobs[i] for i in claims.values()], received)
+    accepted = [i for key, i in claims.items() if key in won]
+    taken = set(accepted)
+    lost = [i for i, o in enumerate(out) if o is None and i not in taken]
+    if lost:
+        _answer_repeats(jobs, lost, out)
+    rows, touched, published = _new_rows(), [], []
+    gpus: list[tuple[int, dict[str, Any]]] = []
+    metas: list[Meta] = []
+    memo: dict[tuple[int, str], int] = {}  # node ids this transaction found or created
+    run_memo: dict[tuple[int, str], int] = {}
+    for i in accepted:
+        cluster, batch, _ = jobs[i]
+        records = _count(batch)
+        batch = _with_gap_event(batch, received)
+        node_id = inventory.node_id(cluster, batch["host"], batch["agent_id"], memo)
+        if inventory.seen_due(node_id):
+            touched.append(node_id)
+        inventory.place_node(node_id, batch["topology"])
+        runs = _run_ids(cluster, batch, run_memo)
+        metas += [(cluster, node_id, meta, runs[meta["run"]]) for meta in batch["runs"]]
+        _collect_series(rows, cluster, node_id, batch, runs, gpus)
+        _advance_runs(batch["steps"], runs)
+        published.append((cluster.id, batch["host"], batch, runs))
+        out[i] = Stored("accepted", records)
+    _store_run_metas(metas, memo)
+    inventory.note_gpus(gpus)
+    if touched:
+        m.Node.objects.filter(id__in=sorted(touched)).update(last_seen=received)
+    _insert_rows(rows)
+    keys = [_key(jobs[i]) for i in accepted]
+    transaction.on_commit(lambda: [_committed(*key) for key in keys])
+    if published:
+        transaction.on_commit(lambda: _publish(published))
+    return [o if o is not None else DatabaseError("not stored; retry it") for o in out]
+
+
+def _claim(jobs: list[Job], received: datetime) -> set[tuple[int, str, int]]:
+    """Insert the idempotency rows; returns the keys this transaction inserted (the rest were stored before).
+
+    Sorted, so two processes' groups take the unique index's locks in one order and cannot deadlock on them; another
+    process's uncommitted row with the same key makes this wait for its commit, then counts as stored before."""
+    if not jobs:
+        return set()
+    fields = [m.AgentBatch._meta.get_field(n) for n in BATCH_COLS]
+    pg = connection.vendor == "postgresql"
+    when: Callable[[datetime], Any] = (lambda d: d) if pg else _sqlite_datetime
+    as_json = _json_pg if pg else _json_text
+    now = when(received)
+    values: list[Any] = []
+    for job in sorted(jobs, key=_key):
+        cluster, batch, digest = job
+        values += [cluster.id, batch["agent_id"], batch["seq"], batch["host"], now, when(_dt(batch["sent_at"])),
+                   _count(batch), as_json(batch["dropped"]), digest]
+    quote = connection.ops.quote_name
+    insert = f"INSERT INTO {quote(m.AgentBatch._meta.db_table)} ({', '.join(quote(f.column) for f in fields)}) "
+    if pg:
+        # One array per column: psycopg parses a statement with thousands of placeholders for every group.
+        types = ["bigint", "text", "bigint", "text", "timestamptz", "timestamptz", "integer", "jsonb", "text"]
+        width = len(fields)
+        params: list[Any] = [values[c::width] for c in range(width)]
+        source = f"SELECT * FROM unnest({', '.join(f'%s::{t}[]' for t in types)})"
+    else:
+        params = values
+        one = f"({', '.join(['%s'] * len(fields))})"
+        source = f"VALUES {', '.join([one] * len(jobs))}"
+    sql = insert + source + " ON CONFLICT (cluster_id, agent_id, seq) DO NOTHING RETURNING cluster_id, agent_id, seq"
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return {(int(c), str(a), int(s)) for c, a, s in cursor.fetchall()}
+
+
+def _answer_repeats(jobs: list[Job], lost: list[int], out: list[Outcome | None]) -> None:
+    """A seq stored before (or earlier in this group): a duplicate when its content is the same, else seq_reused.
+
+    Without both digests ("": a row from before migration 0004, an in-process caller) nothing can be told, and a
+    repeat stays a duplicate."""
+    where = Q()
+    for i in lost:
+        cluster_id, agent_id, seq = _key(jobs[i])
+        where |= Q(cluster_id=cluster_id, agent_id=agent_id, seq=seq)
+    stored = {(c, a, s): d for c, a, s, d in
+              m.AgentBatch.objects.filter(where).values_list("cluster_id", "agent_id", "seq", "digest")}
+    for i in lost:
+        digest = jobs[i][2]
+        had = stored.get(_key(jobs[i]))
+        if had is None:  # purged between the INSERT and this read: let the agent ask again
+            out[i] = DatabaseError("the batch's idempotency record changed while it was stored; retry it")
+        else:
+            out[i] = Stored("seq_reused" if had and digest and had != digest else "duplicate", 0)

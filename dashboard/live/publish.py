@@ -76,16 +76,37 @@ async def flush_forever() -> None:
             await sync_to_async(flush, thread_sensitive=False)()
 
 
-def publish_batch(cluster_id: int, host: str, batch: dict[str, Any], runs: dict[str, int]) -> None:
-    gpus = [
-        [host, g["index"], g["ts"], g["util_gpu_pct"], g["mem_used_bytes"], g["power_w"], g["temp_c"]]
-        for g in batch["gpus"]
-    ]
+def publish_batches(items: list[tuple[int, str, dict[str, Any], dict[str, int]]]) -> None:
+    """The live side of a committed group of batches ``(cluster id, host, batch, run ids)``: the live state is written
+    once per group (one Redis round trip, not one per batch) and the deltas go into the merge buffer, which is sent
+    at most every FLUSH_EVERY_S."""
     live = get_state()
-    live.record(cluster_id, host, gpus)
-    if batch["beats"]:
-        # Only where each rank is now matters (the diagnosis reads it to name the rank that stopped a run).
-        live.record_beats(cluster_id, host, batch["beats"])
+    by_cluster: dict[int, dict[str, list[list[Any]]]] = {}
+    beats: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    messages: list[tuple[str, dict[str, Any]]] = []
+    for cluster_id, host, batch, runs in items:
+        gpus = [[host, g["index"], g["ts"], g["util_gpu_pct"], g["mem_used_bytes"], g["power_w"], g["temp_c"]]
+                for g in batch["gpus"]]
+        by_cluster.setdefault(cluster_id, {}).setdefault(host, []).extend(gpus)  # a replayed spool: two of one host
+        if batch["beats"]:
+            # Only where each rank is now matters (the diagnosis reads it to name the rank that stopped a run).
+            beats.setdefault(cluster_id, {}).setdefault(host, []).extend(batch["beats"])
+        messages += _messages(cluster_id, host, batch, runs, gpus)
+    for cluster_id, hosts in by_cluster.items():
+        live.record_hosts(cluster_id, hosts)
+    for cluster_id, by_host in beats.items():
+        live.record_beats_hosts(cluster_id, by_host)
+    coalescer.add(messages)
+    if coalescer.due():
+        flush()
+
+
+def publish_batch(cluster_id: int, host: str, batch: dict[str, Any], runs: dict[str, int]) -> None:
+    publish_batches([(cluster_id, host, batch, runs)])
+
+
+def _messages(cluster_id: int, host: str, batch: dict[str, Any], runs: dict[str, int],
+              gpus: list[list[Any]]) -> list[tuple[str, dict[str, Any]]]:
     messages: list[tuple[str, dict[str, Any]]] = []
     if gpus:
         messages.append((cluster_group(cluster_id), {"type": "gpus", "cluster": cluster_id, "gpus": gpus}))
@@ -103,6 +124,4 @@ def publish_batch(cluster_id: int, host: str, batch: dict[str, Any], runs: dict[
     ]
     if events:
         messages.append((cluster_group(cluster_id), {"type": "events", "cluster": cluster_id, "events": events}))
-    coalescer.add(messages)
-    if coalescer.due():
-        flush()
+    return messages

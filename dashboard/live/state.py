@@ -26,11 +26,15 @@ TRIM_EVERY_S = 10.0  # Redis: trim at most this often per cluster and process (r
 class LiveState(Protocol):
     def record(self, cluster_id: int, host: str, gpus: list[list[Any]]) -> None: ...
 
+    def record_hosts(self, cluster_id: int, hosts: dict[str, list[list[Any]]]) -> None: ...
+
     def heartbeats(self, cluster_id: int) -> dict[str, float]: ...
 
     def gpus(self, cluster_id: int) -> list[list[Any]]: ...
 
     def record_beats(self, cluster_id: int, host: str, beats: list[dict[str, Any]]) -> None: ...
+
+    def record_beats_hosts(self, cluster_id: int, by_host: dict[str, list[dict[str, Any]]]) -> None: ...
 
     def beats(self, cluster_id: int) -> list[dict[str, Any]]: ...
 
@@ -57,6 +61,10 @@ class MemoryState:
             for row in gpus:
                 table[(row[0], row[1])] = row
 
+    def record_hosts(self, cluster_id: int, hosts: dict[str, list[list[Any]]]) -> None:
+        for host, gpus in hosts.items():
+            self.record(cluster_id, host, gpus)
+
     def heartbeats(self, cluster_id: int) -> dict[str, float]:
         with self._lock:
             return dict(self._hb.get(cluster_id, {}))
@@ -76,6 +84,10 @@ class MemoryState:
             # The least recently heard are in front: trimming costs only what it removes.
             while table and (len(table) > MAX_BEATS or next(iter(table.values()))["received"] < now - BEAT_TTL_S):
                 del table[next(iter(table))]
+
+    def record_beats_hosts(self, cluster_id: int, by_host: dict[str, list[dict[str, Any]]]) -> None:
+        for host, beats in by_host.items():
+            self.record_beats(cluster_id, host, beats)
 
     def beats(self, cluster_id: int) -> list[dict[str, Any]]:
         with self._lock:
@@ -112,10 +124,16 @@ class RedisState:
         return f"{self._prefix}:live:{what}:{cluster_id}"
 
     def record(self, cluster_id: int, host: str, gpus: list[list[Any]]) -> None:
+        self.record_hosts(cluster_id, {host: gpus})
+
+    def record_hosts(self, cluster_id: int, hosts: dict[str, list[list[Any]]]) -> None:
+        """Every host of a committed ingest group in one round trip."""
+        now = time.time()
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hset(self._key("hb", cluster_id), host, time.time())
-        if gpus:
-            pipe.hset(self._key("gpu", cluster_id), mapping={f"{r[0]}|{r[1]}": json.dumps(r) for r in gpus})
+        pipe.hset(self._key("hb", cluster_id), mapping=dict.fromkeys(hosts, now))
+        rows = {f"{r[0]}|{r[1]}": json.dumps(r) for gpus in hosts.values() for r in gpus}
+        if rows:
+            pipe.hset(self._key("gpu", cluster_id), mapping=rows)
         pipe.execute()
 
     def heartbeats(self, cluster_id: int) -> dict[str, float]:
@@ -126,12 +144,17 @@ class RedisState:
         return [json.loads(v) for v in self._redis.hvals(self._key("gpu", cluster_id))]
 
     def record_beats(self, cluster_id: int, host: str, beats: list[dict[str, Any]]) -> None:
-        """The beats in a hash, and when each was heard in a sorted set beside it, which the trim reads."""
-        if not beats:
+        self.record_beats_hosts(cluster_id, {host: beats})
+
+    def record_beats_hosts(self, cluster_id: int, by_host: dict[str, list[dict[str, Any]]]) -> None:
+        """The beats in a hash, and when each was heard in a sorted set beside it, which the trim reads; every host of
+        a committed ingest group in one round trip."""
+        if not any(by_host.values()):
             return
         now = time.time()
         rows, heard = self._key("beat", cluster_id), self._key("beatt", cluster_id)
-        keys = {f"{b['run']}|{b['rank']}": json.dumps(_beat_row(host, b, now)) for b in beats}
+        keys = {f"{b['run']}|{b['rank']}": json.dumps(_beat_row(host, b, now))
+                for host, beats in by_host.items() for b in beats}
         pipe = self._redis.pipeline(transaction=False)
         pipe.hset(rows, mapping=keys)
         pipe.zadd(heard, dict.fromkeys(keys, now))

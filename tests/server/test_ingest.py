@@ -34,7 +34,7 @@ def test_it_stores_a_batch_and_its_inventory(client: Any, world: World) -> None:
                                        "gpu_index": 1, "message": "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus."}])
     r = post(client, batch, world.token)
     assert r.status_code == 200, r.content
-    assert r.json() == {"status": "accepted", "seq": 0, "records": 5}
+    assert r.json() == {"status": "accepted", "seq": 0, "records": 5, "send_interval_s": 1.0}
     node = m.Node.objects.get(cluster=world.cluster, hostname="node-000")
     assert sorted(m.GpuSample.objects.filter(node=node).values_list("gpu_index", "util_gpu_pct")) == [(0, 50.0), (1, 51.0)]
     assert m.Gpu.objects.filter(node=node).count() == 2

@@ -61,5 +61,5 @@ def test_a_post_through_the_fast_path_reaches_the_database(asgi_server: AsgiServ
     r = httpx.post(f"{asgi_server.url}/api/v1/ingest", json=make_batch(seq=1),
                    headers={"Authorization": f"Bearer {world.token}"}, timeout=10)
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
-    assert r.json() == {"status": "accepted", "seq": 1, "records": 4}
+    assert r.json() == {"status": "accepted", "seq": 1, "records": 4, "send_interval_s": 1.0}
     assert m.GpuSample.objects.count() == 2 and m.StepSample.objects.count() == 2
