@@ -5,8 +5,9 @@ it with the simulator (N nodes x 8 GPUs at 1 Hz, plus one run of ``--ranks`` ran
 drives Debian's chromium through Playwright and prints, per page:
 
 * first paint: from navigation start to the moment the page's main chart element holds plotly data
-  (``document.getElementById(ID).data`` non-empty), measured inside the page; the ids come from the templates at
-  run time (a preference table below, else the first ``class="chart"`` element) and are printed;
+  (``document.getElementById(ID).data`` non-empty) or, for a chart drawn on a canvas of its own, says it has drawn
+  (``data-painted``), measured inside the page; the ids come from the templates at run time (a preference table
+  below, else the first ``class="chart"`` element) and are printed;
 * snapshot bytes: the first websocket frame (the live snapshot);
 * JSON API bytes: every /api/ response the page fetched while loading (uncompressed body);
 * main-thread busy share while live frames arrive: Chrome DevTools Protocol ``Performance.getMetrics``
@@ -299,12 +300,14 @@ PAINT_JS = """
       out.longtasks += 1; } }).observe({type: "longtask", buffered: true});
   } catch (e) {}
   const filled = (t) => ["x", "y", "z"].some((k) => t && t[k] && t[k].length > 0);
+  // A chart drawn on a canvas of its own (the overview's health map) says so in data-painted.
+  const painted = (el) => (Array.isArray(el.data) && el.data.some(filled)) || Boolean(el.dataset.painted);
   const until = performance.now() + 120000;
   function poll() {
     for (const id of ids) {
       if (id in out.marks) continue;
       const el = document.getElementById(id);
-      if (el && Array.isArray(el.data) && el.data.some(filled)) out.marks[id] = performance.now();
+      if (el && painted(el)) out.marks[id] = performance.now();
     }
     if (Object.keys(out.marks).length < ids.length && performance.now() < until) requestAnimationFrame(poll);
   }

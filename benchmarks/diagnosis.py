@@ -5,7 +5,7 @@ batches to the same window the server builds, then to the detectors, with the fi
 
     python benchmarks/diagnosis.py                      # 8 and 64 nodes x 3 seeds, 512 nodes x 1 seed, healthy hour
     python benchmarks/diagnosis.py --sizes 8 --seeds 5  # quicker
-    python benchmarks/diagnosis.py --db-pass 512        # also: one pass against the database at 512 nodes, timed
+    python benchmarks/diagnosis.py --db-pass 512 2048   # also: passes against the database at 512 and 2,048 nodes
 
 Scoring. Each case injects one fault; the expected finding is (kind, subject). A finding opened during the case
 with that key is a true positive; any other finding opened is a false positive (a consequence that should have been
@@ -241,7 +241,8 @@ def report(results: list[CaseResult], healthy: list[CaseResult]) -> dict[str, fl
     return out
 
 
-def db_pass(nodes: int, seconds: int, keep: bool = False) -> None:
+def db_pass(nodes: int, seconds: int, keep: bool = False, passes: int = 20, profile: bool = False,
+            ingest_s: int = 0) -> None:
     """Feed ``seconds`` of a ``nodes``-node cluster through the real ingest writer and time the diagnosis pass.
     ``keep``: store into a cluster named ``bench-<nodes>-kept`` once and time the pass on it in later runs (with
     ``CLUSTERDX_DATA_DIR`` or ``DATABASE_URL`` pointing at the same database), to iterate on the read alone."""
@@ -255,6 +256,7 @@ def db_pass(nodes: int, seconds: int, keep: bool = False) -> None:
 
     django.setup()
     from django.core.management import call_command
+    from django.db import connection
     from django.db.models import Max
 
     from clusterdx import wire
@@ -264,8 +266,8 @@ def db_pass(nodes: int, seconds: int, keep: bool = False) -> None:
 
     call_command("migrate", verbosity=0)
     name = f"bench-{nodes}-kept" if keep else f"bench-{nodes}-{int(time.time())}"
-    cluster, created = Cluster.objects.get_or_create(name=name)
-    if created:
+    cluster, _ = Cluster.objects.get_or_create(name=name)
+    if not GpuSample.objects.filter(cluster=cluster).exists():  # new, or kept from a feed that failed
         scenario, _ = scenario_for(None, nodes, 8, 1)
         start = time.time() - seconds - 5
         sim = SimCluster(scenario, start)
@@ -276,13 +278,81 @@ def db_pass(nodes: int, seconds: int, keep: bool = False) -> None:
         print(f"db: stored {seconds} s of {nodes} nodes x 8 GPUs in {time.perf_counter() - a:.0f} s", flush=True)
     now = GpuSample.objects.filter(cluster=cluster).aggregate(last=Max("ts"))["last"].timestamp()
     took = []
-    for _ in range(5):
+    if profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(run_pass, cluster, now)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
+    for _ in range(passes):
         res = run_pass(cluster, now)
         took.append(res.timings_s)
+    backend = connection.vendor
     for key in ("load", "detect", "reconcile", "total"):
-        vals = [tk[key] for tk in took]
-        print(f"db pass at {nodes} nodes / {nodes * 8} GPUs: {key:<9} median {statistics.median(vals) * 1000:7.0f} ms"
-              f"  max {max(vals) * 1000:7.0f} ms")
+        vals = [tk[key] * 1000 for tk in took]
+        print(f"db pass ({backend}) at {nodes} nodes / {nodes * 8} GPUs: {key:<9} p50 {pct(vals, 0.5):7.0f} ms"
+              f"  p99 {pct(vals, 0.99):7.0f} ms  ({len(vals)} passes)", flush=True)
+    if ingest_s:
+        ingest_beside_pass(cluster, nodes, now, ingest_s)
+
+
+def ingest_beside_pass(cluster: Any, nodes: int, now: float, seconds: int) -> None:
+    """Does a pass delay ingest? The same pre-validated batches stored one by one (the ingest writer, as a request
+    does) with no pass running, with passes in a thread of this process (the embedded server before: the pass held
+    the GIL beside ingest), and with passes in the pass's own process (dashboard.diagnosis.offload, the embedded
+    default now). Prints the store latency p50 / p99 of each; the ratio to "none" is the delay a pass causes."""
+    import threading
+
+    from clusterdx import wire
+    from dashboard.diagnosis import offload
+    from dashboard.diagnosis.tasks import detect, thresholds
+    from dashboard.ingest.writer import store_batch
+
+    scenario, _ = scenario_for(None, nodes, 8, 1)
+    base: dict[str, float] = {}
+    for k, mode in enumerate(("none", "thread", "process")):
+        sim = SimCluster(scenario, now + 1000 * (k + 1))
+        batches = []
+        for i in range(1, seconds + 1):
+            for b in sim.tick(now + 1000 * (k + 1) + i):
+                b["seq"] = 10_000_000 * (k + 1) + int(time.time()) % 1_000_000 * 4 + i  # fresh: never a duplicate
+                batches.append(wire.validate_batch(b))
+        stop, passes = threading.Event(), [0]
+
+        def passes_in_thread(stop: threading.Event = stop, passes: list[int] = passes) -> None:
+            from django.db import connection as conn
+
+            while not stop.is_set():
+                detect(cluster, now, thresholds())
+                passes[0] += 1
+            conn.close()
+
+        def passes_in_process(stop: threading.Event = stop, passes: list[int] = passes) -> None:
+            while not stop.is_set():
+                offload.pool().submit(offload._child_detect, cluster.id, now, thresholds(), []).result()
+                passes[0] += 1
+
+        runner = {"thread": passes_in_thread, "process": passes_in_process}.get(mode)
+        if mode == "process":
+            offload.pool().submit(os.getpid).result()  # started (Django imported) before the clock runs
+        worker = threading.Thread(target=runner, daemon=True) if runner else None
+        if worker:
+            worker.start()
+            time.sleep(0.5)
+        lat = []
+        for b in batches:
+            a = time.perf_counter()
+            store_batch(cluster, b)
+            lat.append(1000 * (time.perf_counter() - a))
+        stop.set()
+        if worker:
+            worker.join(120)
+        base.setdefault("p99", pct(lat, 0.99))
+        print(f"ingest beside the pass ({mode:<7}): {len(lat)} batches, store p50 {pct(lat, 0.5):6.1f} ms  p99 "
+              f"{pct(lat, 0.99):6.1f} ms  (p99 / no pass: {pct(lat, 0.99) / base['p99']:.2f}; {passes[0]} passes "
+              "meanwhile)", flush=True)
+    offload.shutdown(wait=True)
 
 
 def main() -> int:
@@ -294,9 +364,14 @@ def main() -> int:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between passes (server: DIAGNOSIS_INTERVAL_S)")
     p.add_argument("--healthy-s", type=int, default=3600, help="healthy run length at the smallest size")
     p.add_argument("--healthy-sizes", type=int, nargs="*", default=[8, 64])
-    p.add_argument("--db-pass", type=int, default=0, help="time one database-backed pass at this many nodes")
+    p.add_argument("--db-pass", type=int, nargs="*", default=[],
+                   help="time the database-backed pass at these many nodes (e.g. 512 2048; the backend: DATABASE_URL)")
     p.add_argument("--db-seconds", type=int, default=22)
+    p.add_argument("--db-passes", type=int, default=20, help="passes timed per size (p50 / p99)")
     p.add_argument("--db-keep", action="store_true", help="store once into a kept cluster and reuse it")
+    p.add_argument("--db-profile", action="store_true", help="print a cProfile of one pass first")
+    p.add_argument("--db-ingest-s", type=int, default=0,
+                   help="also store this many seconds of batches beside passes (none / thread / own process)")
     args = p.parse_args()
     t = Thresholds()
     results, healthy = [], []
@@ -316,8 +391,8 @@ def main() -> int:
         ms = [m for r in results if r.nodes == size for m in r.pass_ms]
         print(f"pure detector pass at {size:4d} nodes: p50 {pct(ms, 0.5):6.1f} ms  p99 {pct(ms, 0.99):6.1f} ms")
     print(f"(pass every {args.interval:g} simulated s; wall time {time.perf_counter() - started:.0f} s)")
-    if args.db_pass:
-        db_pass(args.db_pass, args.db_seconds, args.db_keep)
+    for nodes in args.db_pass:
+        db_pass(nodes, args.db_seconds, args.db_keep, args.db_passes, args.db_profile, args.db_ingest_s)
     return 0
 
 

@@ -17,6 +17,12 @@ from django.conf import settings
 log = logging.getLogger(__name__)
 
 
+# Tasks with an embedded runner of their own: an async function the loop awaits instead of running the task in the
+# database thread. The diagnosis pass reads and computes in a child process, so it never holds the GIL or the thread
+# that ingest needs (dashboard.diagnosis.offload).
+EMBEDDED_RUNNERS = {"dashboard.diagnosis.tasks.diagnose": "dashboard.diagnosis.offload.diagnose"}
+
+
 def _resolve(path: str) -> Any:
     module, _, name = path.rpartition(".")
     return getattr(importlib.import_module(module), name)
@@ -29,8 +35,10 @@ async def run_schedule(schedule: dict[str, tuple[str, float]]) -> None:
         await asyncio.sleep(max(0.0, due[name] - time.monotonic()))
         path, every = schedule[name]
         try:
-            # thread_sensitive: one thread for all DB work, like the ingest views, so SQLite sees one writer.
-            await sync_to_async(_resolve(path), thread_sensitive=True)()
+            if path in EMBEDDED_RUNNERS:
+                await _resolve(EMBEDDED_RUNNERS[path])()
+            else:  # thread_sensitive: one thread for all DB work, like the ingest views, so SQLite sees one writer.
+                await sync_to_async(_resolve(path), thread_sensitive=True)()
         except Exception:  # a task that raises is logged and rescheduled, never kills the loop
             log.exception("embedded scheduler: %s failed", name)
         due[name] += every
@@ -56,5 +64,9 @@ async def lifespan(scope: dict[str, Any], receive: Any, send: Any) -> None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if not settings.REDIS_URL:
+                from dashboard.diagnosis.offload import shutdown
+
+                shutdown()
             await send({"type": "lifespan.shutdown.complete"})
             return

@@ -4,7 +4,6 @@ Chromium."""
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -259,8 +258,15 @@ def test_the_overview_page_draws_the_health_map_links_findings_and_keeps_events(
     browser.sign_in(page, asgi_server.url, world.owner.username, world.password, "/clusters/prod-a/")
     browser.wait_live(page)
     page.wait_for_function("document.getElementById('healthmap').dataset.cells === '32'")
-    # Every cell is a GPU of the canvas heatmap, not a DOM element.
-    assert page.evaluate("document.getElementById('healthmap').data[0].z.flat().filter(v => v !== null).length") == 32
+    # Every cell is a GPU painted on one canvas, not a DOM element.
+    assert page.locator("#healthmap canvas").count() == 1 and page.locator("#healthmap *").count() == 1
+    at = page.evaluate("document.getElementById('healthmap').cellCenter('node-002', 1)")
+    pixel = page.evaluate("""([x, y]) => { const c = document.querySelector('#healthmap canvas');
+        const r = c.getBoundingClientRect(), k = c.width / r.width;
+        return [...c.getContext('2d').getImageData((x - r.left) * k, (y - r.top) * k, 1, 1).data]; }""",
+                          [at["x"], at["y"]])
+    colour = {"warning": [243, 167, 18], "error": [228, 87, 46], "critical": [157, 2, 8]}[xid.severity]
+    assert pixel == [*colour, 255], f"the GPU with the Xid is painted in its finding's colour, got {pixel}"
     assert page.locator(f"#findings a[href='/findings/{xid.id}/']").count() == 1
     worst = page.get_attribute("#findings tbody tr:first-child td:nth-child(3) a", "href")
     assert page.locator(f"#answer li:first-child a[href='{worst}']").count() == 1, "the answer on top: the worst"
@@ -277,11 +283,8 @@ def test_the_overview_page_draws_the_health_map_links_findings_and_keeps_events(
     browser.wait_live(page)
     page.wait_for_function("document.getElementById('events').innerText.includes('Xid')")
     browser.no_js_errors(page)
-    # Clicking a healthy GPU of node-005 opens node-005's page (plotly's own click event, as a mouse click emits it).
-    cell = page.evaluate("""() => { const el = document.getElementById('healthmap');
-        const z = el.data[0].z; let k = 0;
-        for (let r = 0; r < z.length; r++) for (let c = 0; c < z[r].length; c++)
-          if (z[r][c] !== null && k++ === 5 * 4) return [r, c];
-        return null; }""")
-    page.evaluate(f"document.getElementById('healthmap').emit('plotly_click', {{points: [{{pointNumber: {json.dumps(cell)}}}]}})")
+    # A mouse click on a healthy GPU of node-005 opens node-005's page.
+    page.locator("#healthmap").scroll_into_view_if_needed()
+    at = page.evaluate("document.getElementById('healthmap').cellCenter('node-005', 0)")
+    page.mouse.click(at["x"], at["y"])
     page.wait_for_url(f"{asgi_server.url}/clusters/prod-a/nodes/node-005/")

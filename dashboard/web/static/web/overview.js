@@ -1,23 +1,35 @@
-// The cluster overview: the answer (worst open findings) first, then a health map of every node and GPU (one plotly
-// heatmap: a canvas, not a DOM element per GPU, so 2,048 nodes x 8 GPUs stay cheap), the findings, runs and events.
-// First data comes rendered into the page (the overview API's answer); the websocket keeps GPUs, findings and events
-// live, and the API is re-read every REFRESH_MS for node states and runs.
+// The cluster overview: the answer (worst open findings) first, then a health map of every node and GPU (one canvas,
+// not a DOM element per GPU, so 2,048 nodes x 8 GPUs stay cheap), the findings, runs and events. First data comes
+// rendered into the page (the overview API's answer); the websocket keeps GPUs, findings and events live, and the API
+// is re-read every REFRESH_MS for node states and runs. Plotly (the events timeline only) loads after the map's
+// first paint.
 import {$, age, esc, fmt, getJSON, link, pageData, sevRank} from "./lib/fmt.js";
 import {connectLive, drawLoop} from "./lib/live.js";
-import {CONFIG, SEV_COLORS, layout, react} from "./lib/chart.js";
+import {SEV_COLORS, layout, react} from "./lib/chart.js";
+import {badges} from "./lib/attention.js";
 
 const REFRESH_MS = 12000;
 const SEVS = ["info", "warning", "error", "critical"];
 // Cell codes: 0..100 = a healthy GPU's utilisation; above, its worst finding, then stale / down (no numbers shown).
 const CODE = {info: 101, warning: 102, error: 103, critical: 104, stale: 105, down: 106};
 const UTIL_LO = "#eef4e8", UTIL_HI = "#2f6b3a";
-const ZMAX = 106;
-const p = (v) => v / ZMAX;
-const step = (v, color) => [[p(v - 0.5), color], [p(v + 0.5), color]];
-const SCALE = [[0, UTIL_LO], [p(100), UTIL_HI], [p(100.5), UTIL_HI],
-  ...step(101, SEV_COLORS.info), ...step(102, SEV_COLORS.warning), ...step(103, SEV_COLORS.error),
-  ...step(104, SEV_COLORS.critical), ...step(105, SEV_COLORS.stale), [p(105.5), SEV_COLORS.down], [1, SEV_COLORS.down]];
 
+// Plotly (the events timeline only) runs after the health map's first paint: the page only preloads it
+// (<link rel="preload" id="plotly-src">), since parsing it holds the main thread for a second or more on a slow
+// machine, which must not come before the answer.
+let plotlyLoaded = null;
+function loadPlotly() {
+  plotlyLoaded = plotlyLoaded || new Promise((resolve) => {
+    const src = document.getElementById("plotly-src");
+    if (window.Plotly || !src) { resolve(); return; }
+    const tag = document.createElement("script");
+    tag.src = src.href;
+    tag.addEventListener("load", resolve, {once: true});
+    document.head.appendChild(tag);
+  });
+  return plotlyLoaded;
+}
+const afterFirstPaint = () => { if (!plotlyLoaded) setTimeout(() => loadPlotly().then(() => markLists()), 0); };
 let ov = pageData();
 const api = ov.cluster;
 let nodes = [];            // the API's nodes, each with .gpuObjs and live bookkeeping
@@ -77,6 +89,17 @@ function cellCode(n, g, ns) {
 }
 
 // -- the health map ----------------------------------------------------------------------------------------------------
+// Drawn on one canvas in one pass (a rectangle per GPU): at 2,048 x 8 cells a plotly heatmap cost hundreds of ms per
+// redraw and made the first paint wait for plotly itself; this costs a few ms and needs nothing but the page.
+const UTIL_COLORS = (() => {  // the 0..100 ramp from UTIL_LO to UTIL_HI, one colour per percent
+  const rgb = (hex) => [1, 3, 5].map((i) => parseInt(hex.slice(i, i + 2), 16));
+  const [lo, hi] = [rgb(UTIL_LO), rgb(UTIL_HI)];
+  return Array.from({length: 101}, (_, v) => `rgb(${lo.map((a, k) => Math.round(a + (hi[k] - a) * v / 100)).join(",")})`);
+})();
+const CODE_COLORS = {101: SEV_COLORS.info, 102: SEV_COLORS.warning, 103: SEV_COLORS.error, 104: SEV_COLORS.critical,
+  105: SEV_COLORS.stale, 106: SEV_COLORS.down};
+const colorOf = (code) => (code <= 100 ? UTIL_COLORS[Math.round(code)] : CODE_COLORS[code]);
+
 function buildGrid() {
   const G = Math.max(1, ...nodes.map((n) => n.gpuObjs.length));
   const key = ov.group_by;
@@ -89,52 +112,103 @@ function buildGrid() {
   const packed = nodes.length > 64;
   const per = packed ? (nodes.length > 512 ? 32 : 16) : 1;
   const width = packed ? per * (G + 1) - 1 : G;
-  const cells = [], labels = [];
+  const cells = [], labels = [];  // labels: [text, bold]
   for (const grp of groups) {
-    if (key && !packed) { cells.push(Array(width).fill(null)); labels.push(`<b>${esc(grp.name)}</b>`); }
+    if (key && !packed) { cells.push(Array(width).fill(null)); labels.push([grp.name, true]); }
     for (let i = 0; i < grp.nodes.length; i += per) {
       const row = Array(width).fill(null);
       grp.nodes.slice(i, i + per).forEach((n, k) => n.gpuObjs.forEach((g, j) => { row[k * (G + 1) + j] = [n, g]; }));
       cells.push(row);
-      labels.push(packed ? (i === 0 ? esc(grp.name) : "") : esc(grp.nodes[i].host));
+      labels.push([packed ? (i === 0 ? grp.name : "") : grp.nodes[i].host, false]);
     }
-    if (key && packed) { cells.push(Array(width).fill(null)); labels.push(""); }
+    if (key && packed) { cells.push(Array(width).fill(null)); labels.push(["", false]); }
   }
-  grid = {cells, labels, packed, G, width, groups: groups.length};
+  const box = {left: packed ? 90 : 110, top: 6, bottom: packed ? 6 : 24, right: 10, row: packed ? 7 : 22};
+  grid = {cells, labels, packed, G, width, groups: groups.length, box, cellW: 1};
+}
+
+function mapCanvas(el) {
+  let canvas = el.querySelector("canvas");
+  if (canvas) return canvas;
+  el.textContent = "";
+  canvas = document.createElement("canvas");
+  canvas.style.display = "block";
+  el.appendChild(canvas);
+  canvas.addEventListener("mousemove", (ev) => showTip(cellAt(canvas, ev), ev));
+  canvas.addEventListener("mouseleave", () => { $("map-tip").hidden = true; });
+  canvas.addEventListener("click", (ev) => { const c = cellAt(canvas, ev); if (c) location.href = targetOf(c[0], c[1], ev.shiftKey); });
+  // Where a GPU's cell is on the screen (its centre, client coordinates), or null: what a click there opens.
+  el.cellCenter = (host, index) => {
+    const {box, cellW} = grid;
+    const rect = canvas.getBoundingClientRect();
+    for (let r = 0; r < grid.cells.length; r++) {
+      const c = grid.cells[r].findIndex((x) => x && x[0].host === host && x[1].index === index);
+      if (c >= 0) return {x: rect.left + box.left + (c + 0.5) * cellW, y: rect.top + box.top + (r + 0.5) * box.row};
+    }
+    return null;
+  };
+  window.addEventListener("resize", () => markMap());
+  return canvas;
+}
+
+function cellAt(canvas, ev) {
+  const {box, cellW} = grid;
+  const rect = canvas.getBoundingClientRect();
+  const r = Math.floor((ev.clientY - rect.top - box.top) / box.row);
+  const c = Math.floor((ev.clientX - rect.left - box.left) / cellW);
+  return (grid.cells[r] || [])[c] || null;
 }
 
 function drawMap() {
-  if (!nodes.length) { $("healthmap").innerHTML = '<p class="empty">No node has reported yet.</p>'; return; }
+  const el = $("healthmap");
+  if (!nodes.length) { el.innerHTML = '<p class="empty">No node has reported yet.</p>'; afterFirstPaint(); return; }
   buildGrid();
   const now = performance.now();
   const states = new Map(nodes.map((n) => [n, nodeState(n, now)]));
-  const z = grid.cells.map((row) => row.map((c) => (c ? cellCode(c[0], c[1], states.get(c[0])) : null)));
-  const rowPx = grid.packed ? 7 : 22;
-  const el = $("healthmap");
-  el.dataset.cells = String(z.reduce((s, r) => s + r.filter((v) => v !== null).length, 0));
-  const ticks = grid.labels.map((l, i) => [i, l]).filter(([, l]) => l);
-  react(el, [{type: "heatmap", z, zmin: 0, zmax: ZMAX, colorscale: SCALE, showscale: false, hoverinfo: "none",
-    xgap: grid.packed ? 0 : 2, ygap: 1}],
-  layout({height: Math.max(120, rowPx * z.length + 40), margin: {l: grid.packed ? 90 : 110, r: 10, t: 6, b: grid.packed ? 6 : 24},
-    hovermode: "closest", dragmode: false,
-    xaxis: grid.packed ? {visible: false, fixedrange: true} :
-      {tickvals: [...Array(grid.G).keys()], ticktext: [...Array(grid.G).keys()].map((i) => `GPU ${i}`), fixedrange: true,
-        showgrid: false, zeroline: false},
-    yaxis: {autorange: "reversed", tickvals: ticks.map((t) => t[0]), ticktext: ticks.map((t) => t[1]), fixedrange: true,
-      showgrid: false, zeroline: false}}), CONFIG);
-  if (!el.dataset.hooked && el.on) {
-    el.dataset.hooked = "1";
-    el.on("plotly_hover", (ev) => showTip(ev));
-    el.on("plotly_unhover", () => { $("map-tip").hidden = true; });
-    el.on("plotly_click", (ev) => openCell(ev));
+  const canvas = mapCanvas(el);
+  const {box} = grid;
+  const cssW = Math.max(300, el.clientWidth || 800);
+  const cssH = Math.max(120, box.row * grid.cells.length + box.top + box.bottom);
+  const dpr = window.devicePixelRatio || 1;
+  if (canvas.width !== Math.round(cssW * dpr) || canvas.height !== Math.round(cssH * dpr)) {
+    canvas.width = Math.round(cssW * dpr);
+    canvas.height = Math.round(cssH * dpr);
+    canvas.style.width = `${cssW}px`;
+    canvas.style.height = `${cssH}px`;
   }
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  ctx.clearRect(0, 0, cssW, cssH);
+  const cellW = grid.cellW = (cssW - box.left - box.right) / grid.width;
+  const gapX = grid.packed ? 0 : 2, gapY = 1;
+  let painted = 0;
+  grid.cells.forEach((row, r) => {
+    const y = box.top + r * box.row;
+    row.forEach((cell, c) => {
+      if (!cell) return;
+      ctx.fillStyle = colorOf(cellCode(cell[0], cell[1], states.get(cell[0])));
+      ctx.fillRect(box.left + c * cellW + gapX / 2, y + gapY / 2, Math.max(1, cellW - gapX), box.row - gapY);
+      painted += 1;
+    });
+  });
+  ctx.fillStyle = "#444";
+  ctx.textAlign = "right";
+  ctx.textBaseline = "middle";
+  grid.labels.forEach(([text, bold], r) => {
+    if (!text) return;
+    ctx.font = `${bold ? "bold " : ""}${grid.packed ? 10 : 12}px sans-serif`;
+    ctx.fillText(text, box.left - 6, box.top + (grid.packed ? r * box.row + 3 : (r + 0.5) * box.row), box.left - 8);
+  });
+  if (!grid.packed) {
+    ctx.textAlign = "center";
+    ctx.font = "12px sans-serif";
+    for (let i = 0; i < grid.G; i++) ctx.fillText(`GPU ${i}`, box.left + (i + 0.5) * cellW, cssH - box.bottom / 2);
+  }
+  el.dataset.cells = String(painted);
+  el.dataset.painted = String(performance.now());
   drawSummary(states);
   drawTrouble(states);
-}
-
-function cellOf(pt) {
-  const [r, c] = Array.isArray(pt.pointNumber) ? pt.pointNumber : [pt.y, pt.x];
-  return (grid.cells[r] || [])[c] || null;
+  afterFirstPaint();
 }
 
 // The page of what the colour is about: the GPU when its own finding is the worst thing on it, else the node;
@@ -144,9 +218,7 @@ function targetOf(n, g, shift) {
   return (shift || own) && g.url ? g.url : n.url;
 }
 
-function showTip(ev) {
-  const pt = ev.points && ev.points[0];
-  const c = pt && cellOf(pt);
+function showTip(c, e) {
   const tip = $("map-tip");
   if (!c) { tip.hidden = true; return; }
   const [n, g] = c;
@@ -157,16 +229,9 @@ function showTip(ev) {
   tip.innerHTML = `<b>${esc(n.host)}</b> GPU ${g.index}${n.rack ? ` · ${esc(n.rack)}` : ""}<br>${nums}<br>` +
     `node ${esc(ns)}${sev ? ` · <span class="sev ${esc(sev)}">${esc(sev)}</span>` : ""}` +
     `<br><span class="muted">click: ${targetOf(n, g, false) === g.url ? "GPU" : "node"} page</span>`;
-  const e = ev.event || {};
   tip.style.left = `${(e.pageX || 0) + 14}px`;
   tip.style.top = `${(e.pageY || 0) + 14}px`;
   tip.hidden = false;
-}
-
-function openCell(ev) {
-  const pt = ev.points && ev.points[0];
-  const c = pt && cellOf(pt);
-  if (c) location.href = targetOf(c[0], c[1], !!(ev.event && ev.event.shiftKey));
 }
 
 function drawSummary(states) {
@@ -220,7 +285,7 @@ function drawFindings() {
   const rows = sortedFindings();
   const body = $("findings").querySelector("tbody");
   body.innerHTML = rows.slice(0, 100).map((f) => `<tr data-id="${f.id}"><td><span class="sev ${esc(f.severity)}">${esc(f.severity)}</span></td>` +
-    `<td>${link(f.subject_url, f.subject)}</td><td>${link(f.url, f.title)}</td>` +
+    `<td>${link(f.subject_url, f.subject)}</td><td>${link(f.url, f.title)} ${badges(f)}</td>` +
     `<td class="headline">${esc(f.headline ?? "")}</td><td class="num">${age(f.opened_at)}</td></tr>`).join("") ||
     '<tr><td colspan="5" class="empty">No open findings.</td></tr>';
   const top = rows.slice(0, 3);
@@ -269,6 +334,7 @@ function drawEvents() {
     '<li class="empty">No warnings or errors recorded.</li>';
   $("older").disabled = !eventsNext;
   const sevs = ["warning", "error", "critical"];
+  if (!window.Plotly) return;  // drawn once plotly has loaded, after the map's first paint
   react("timeline", sevs.map((s) => {
     const mine = rows.filter((e) => e.severity === s);
     return {type: "scatter", mode: "markers", name: s, x: mine.map((e) => new Date(e.ts * 1000)), y: mine.map(() => s),
@@ -295,15 +361,19 @@ async function older() {
 }
 
 // -- live ------------------------------------------------------------------------------------------------------------
+// 16,384 rows a frame at 2,048 nodes: plain field writes, no object built per row.
 function onGpus(rows) {
   const now = performance.now();
-  for (const [host, index, , util, mem, , temp] of rows) {
-    const n = byHost.get(host);
+  for (const row of rows) {
+    const n = byHost.get(row[0]);
     if (!n) continue;  // a node the last overview did not know: the next refresh adds it
-    const g = n.gpuObjs.find((x) => x.index === index);
     n.arrived = now;
+    const g = n.gpuObjs.find((x) => x.index === row[1]);
     if (!g) continue;
-    Object.assign(g, {util, temp, mem: mem === null ? null : mem / 2 ** 30, arrived: now});
+    g.util = row[3];
+    g.mem = row[4] === null ? null : row[4] / 2 ** 30;
+    g.temp = row[6];
+    g.arrived = now;
   }
   lastDelta = now;
 }
