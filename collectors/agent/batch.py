@@ -69,7 +69,7 @@ class Checker:
 
 def split(lists: dict[str, list[dict[str, Any]]], max_bytes: int = wire.MAX_BATCH_BYTES) -> list[dict[str, Any]]:
     """The record lists as one or more batch bodies within the list bounds and ``max_bytes``."""
-    if _fits(lists, max_bytes):
+    if fits(lists, max_bytes):
         return [lists]
     if sum(len(v) for v in lists.values()) <= 1:
         log.error("a single record is larger than %d bytes; dropped", max_bytes)
@@ -79,7 +79,8 @@ def split(lists: dict[str, list[dict[str, Any]]], max_bytes: int = wire.MAX_BATC
     return split(first, max_bytes) + split(second, max_bytes)
 
 
-def _fits(lists: dict[str, list[dict[str, Any]]], max_bytes: int) -> bool:
+def fits(lists: dict[str, list[dict[str, Any]]], max_bytes: int = wire.MAX_BATCH_BYTES) -> bool:
+    """Whether the record lists make one batch within the list bounds and ``max_bytes``."""
     if any(len(v) > LIMITS.get(k, len(v)) for k, v in lists.items()):
         return False
     # Cheap test first: most batches are far below the limit, and measuring means encoding.

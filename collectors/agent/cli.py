@@ -18,7 +18,8 @@ log = logging.getLogger("clusterdx.agent")
 
 # flag destination -> config key
 _OVERRIDES = {
-    "server": "server", "token_file": "token_file", "interval": "interval_s", "agent_id": "agent_id",
+    "server": "server", "token_file": "token_file", "interval": "interval_s", "send_interval": "send_interval_s",
+    "agent_id": "agent_id",
     "host": "host", "spool": "spool_path", "metrics_port": "metrics_port", "metrics_addr": "metrics_addr",
     "log_level": "log_level",
 }
@@ -28,7 +29,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", metavar="URL", help="the clusterdx server, e.g. https://clusterdx.example:8000")
     parser.add_argument("--token-file", metavar="F", help="file holding the cluster's ingest token")
     parser.add_argument("--config", metavar="agent.toml", help="TOML file with any of the options (flags win)")
-    parser.add_argument("--interval", type=float, metavar="S", help="seconds between batches (default 1, min 0.1)")
+    parser.add_argument("--interval", type=float, metavar="S", help="seconds between samples (default 1, min 0.1)")
+    parser.add_argument("--send-interval", type=float, metavar="S",
+                        help="post at most every S seconds, several samples per batch (default: every sample, or "
+                             "what the server asks for)")
     parser.add_argument("--agent-id", help="stable id of this node's agent (default: the host name)")
     parser.add_argument("--host", help="this node's name in the dashboard (default: the host name)")
     parser.add_argument("--spool", metavar="PATH", help="SQLite spool for unsent batches")
@@ -77,8 +81,10 @@ def _run(cfg: Any, statuses: list[Any]) -> int:
         print(f"clusterdx agent: cannot open the spool {cfg.spool_path}: {exc}", file=sys.stderr)
         return 2
     agent = Agent(cfg, statuses, spool)
-    log.info("agent %s on %s: a batch every %gs to %s; spool %s (%d waiting)\n%s", cfg.agent_id, cfg.host,
-             cfg.interval_s, cfg.server, cfg.spool_path, spool.depth, registry.summary(statuses))
+    log.info("agent %s on %s: a sample every %gs, a batch at most every %gs (or as the server asks) to %s; "
+             "spool %s (%d waiting)\n%s", cfg.agent_id, cfg.host, cfg.interval_s,
+             max(cfg.interval_s, cfg.send_interval_s), cfg.server, cfg.spool_path, spool.depth,
+             registry.summary(statuses))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent.stop())
     if cfg.metrics_port:

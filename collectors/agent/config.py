@@ -39,7 +39,10 @@ class AgentConfig:
     token_file: str = ""  # file holding the cluster's ingest token (kept out of the config and the process list)
     agent_id: str = ""  # stable per node; default: the host name
     host: str = ""  # the node's name in the dashboard; default: the host name
-    interval_s: float = 1.0  # one batch per interval, 0.1 s at the least
+    interval_s: float = 1.0  # one sample per interval, 0.1 s at the least
+    # Post at most once per this many seconds, several intervals in one batch; 0 = every interval. The server may
+    # ask for more (its send_interval_s advert); the larger of the two wins.
+    send_interval_s: float = 0.0
     spool_path: str = ""  # SQLite file for unsent batches; default under $STATE_DIRECTORY or /var/lib/clusterdx
     spool_max_batches: int = 86_400  # a day at 1 Hz; the oldest batch goes first when full (counted, reported)
     spool_max_mb: float = 512.0
@@ -58,6 +61,7 @@ class AgentConfig:
 # key -> (low, high) for numbers; anything not here is only type-checked.
 _RANGES: dict[str, tuple[float, float]] = {
     "interval_s": (MIN_INTERVAL_S, 3600),
+    "send_interval_s": (0, 3600),
     "spool_max_batches": (10, 10_000_000),
     "spool_max_mb": (1, 1_000_000),
     "backoff_initial_s": (0.01, 3600),

@@ -7,6 +7,10 @@ never be accepted, so it is dropped, counted (``server_rejected``) and its reaso
 403 are a token problem, not a batch problem, so batches stay in the spool (bounded) while the token file is
 re-read before each slow retry. 409 ``seq_reused`` says the content is fine but its number was already used for
 other content (the spool's counter went back): the batch is renumbered and sent again, never deleted.
+
+The server may ask for fewer posts: a 200 or 429 answer carrying ``send_interval_s`` is the minimum time it wants
+between one agent's posts (a large cluster's server raises it). The sender only remembers the latest such advert
+(:attr:`Sender.advised_interval_s`); the sampling loop reads it and seals several intervals into one batch.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import math
 import random
 import re
 import ssl
@@ -28,6 +33,9 @@ from collectors.agent.spool import Spool, Spooled
 log = logging.getLogger("clusterdx.agent.delivery")
 
 AUTH_RETRY_S = 30.0
+# The most a server's advert may stretch the send interval: a broken or hostile server must not make a node's data
+# days late (the spool still keeps everything; this only bounds how much one post may hold back).
+MAX_ADVISED_INTERVAL_S = 300.0
 
 
 @dataclass
@@ -48,6 +56,7 @@ class Outcome:
     detail: str = ""
     status: int = 0
     retry_after: float | None = None
+    send_interval_s: float | None = None  # the server's advert in this answer, if any (see the module docstring)
 
 
 class Poster:
@@ -115,22 +124,39 @@ class Poster:
 
 
 def classify(status: int, payload: bytes, retry_after: str | None) -> Outcome:
-    detail = _detail(payload)
+    data = _json(payload)
+    detail = _detail(payload, data)
+    # Only our server's answers that mean "this is how often to post": a proxy's 5xx says nothing about it.
+    advert = advised_interval(data) if 200 <= status < 300 or status == 429 else None
     if 200 <= status < 300:
-        return Outcome("ok", detail, status)
+        return Outcome("ok", detail, status, send_interval_s=advert)
     if status in (401, 403):
         return Outcome("auth", detail, status)
     if status in (408, 429) or status >= 500:
-        return Outcome("retry", detail, status, _seconds(retry_after))
+        return Outcome("retry", detail, status, _seconds(retry_after), advert)
     if status == 409 and detail.startswith("seq_reused:"):  # only our server's answer; another 409 is a refusal
         return Outcome("renumber", detail, status)
     return Outcome("reject", detail, status)
 
 
-def _detail(payload: bytes) -> str:
+def advised_interval(answer: object) -> float | None:
+    """The ``send_interval_s`` a server answer asks for, capped at :data:`MAX_ADVISED_INTERVAL_S`; None when the
+    answer has none or a value that is not a positive number (then the agent keeps what it had)."""
+    value = answer.get("send_interval_s") if isinstance(answer, dict) else None
+    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+        return None
+    return min(float(value), MAX_ADVISED_INTERVAL_S)
+
+
+def _json(payload: bytes) -> object:
     try:
-        data = json.loads(payload)
+        return json.loads(payload)
     except ValueError:
+        return None
+
+
+def _detail(payload: bytes, data: object) -> str:
+    if data is None:
         return payload[:300].decode(errors="replace").strip()
     if isinstance(data, dict):
         if "error" in data:
@@ -169,6 +195,7 @@ class Sender:
         self.poster = poster
         self.backoff = backoff
         self.stats = Stats()
+        self.advised_interval_s: float | None = None  # the server's latest send_interval_s advert
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._logged: set[str] = set()
@@ -213,6 +240,10 @@ class Sender:
         """Send one batch and act on the answer; returns how long to wait before the next attempt."""
         outcome = self.poster.post(item.body)
         self.stats.by_status[outcome.status] = self.stats.by_status.get(outcome.status, 0) + 1
+        if outcome.send_interval_s is not None and outcome.send_interval_s != self.advised_interval_s:
+            log.info("the server asks for at most one post every %gs (was %s)", outcome.send_interval_s,
+                     f"{self.advised_interval_s:g}s" if self.advised_interval_s else "not asked")
+            self.advised_interval_s = outcome.send_interval_s
         if outcome.kind == "ok":
             self.spool.delete(item.seq)
             self.stats.sent += 1

@@ -118,6 +118,9 @@ class AgentCollector:
         rejected.add_metric([], stats.rejected)
         failures = counter("clusterdx_agent_delivery_failures", "Delivery attempts that will be retried.")
         failures.add_metric([], stats.failures)
+        send = gauge("clusterdx_agent_send_interval_seconds",
+                     "Minimum seconds between posts: the agent's setting or the server's advert, whichever is larger.")
+        send.add_metric([], a.send_interval_s())
         drops = counter("clusterdx_agent_dropped", "Records dropped by the agent, by reason.", labels=("reason",))
         for reason, n in sorted(a.drops_total.items()):
             drops.add_metric([reason], n)
@@ -129,7 +132,7 @@ class AgentCollector:
         errors = counter("clusterdx_agent_source_errors", "Source collections that raised.", labels=("source",))
         for name, n in sorted(a.source_errors.items()):
             errors.add_metric([name], n)
-        yield from (depth, size, sent, rejected, failures, drops, hook, errors)
+        yield from (depth, size, sent, rejected, failures, send, drops, hook, errors)
 
 
 def serve(agent: Agent, addr: str, port: int) -> None:

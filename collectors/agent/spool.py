@@ -17,6 +17,12 @@ sent again and the server recognises it by its content digest as a duplicate; dr
 batches after an outage would otherwise cost one fsync each. Should a number be reused anyway (a spool restored
 from a backup or a VM snapshot), the server answers 409 ``seq_reused`` and :meth:`Spool.renumber` moves the batch
 past every number the lost counter can have reached.
+
+When the server asks for fewer posts than the agent samples (``send_interval_s``), each interval's records are
+*staged* (:meth:`Spool.stage`, one row, no number yet) and the staged rows are *sealed* into numbered batches once per
+send interval (:meth:`Spool.seal`, one transaction). A staged row survives ``kill -9`` like a batch does; it is only
+not fsynced, as it carries no number a crash could hand out twice. Once sealed, a batch is immutable: it is resent
+byte for byte until acknowledged.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import resource
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +44,9 @@ from typing import Any
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS batch (seq INTEGER PRIMARY KEY, body BLOB NOT NULL, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS staged (id INTEGER PRIMARY KEY, lists TEXT NOT NULL);
 """
+Lists = dict[str, list[dict[str, Any]]]
 MAX_DROP_KEYS = 16  # the wire's bound on Batch.dropped
 # How far a renumbered batch jumps past the reused seq: farther than any counter can have advanced before it was
 # rolled back (2**32 batches is 136 years at 1 Hz), while 2**63 leaves room for two billion such jumps.
@@ -85,6 +94,12 @@ class Spool:
         # A new spool starts at the current 100-ms tick rather than 0: if a node's spool file is lost (a reimage),
         # the new numbers still lie above every number this agent_id used before, which the server has seen.
         return int(time.time() * 10)
+
+    @property
+    def staged(self) -> int:
+        """Intervals of records waiting to be sealed into a batch."""
+        with self._lock:
+            return int(self._db.execute("SELECT count(*) FROM staged").fetchone()[0])
 
     @property
     def depth(self) -> int:
@@ -137,6 +152,56 @@ class Spool:
                 raise
             self._unstored = {}
             return seq
+
+    def stage(self, lists: Lists, dropped: dict[str, int] | None = None) -> None:
+        """Keep one interval's records until the next :meth:`seal`; its drops are counted for the next batch."""
+        with self._lock:
+            self._db.execute("PRAGMA synchronous=NORMAL")  # no number is handed out here: see the module docstring
+            try:
+                with self._db:
+                    self._db.execute("INSERT INTO staged (lists) VALUES (?)",
+                                     (json.dumps(lists, separators=(",", ":")),))
+                    if dropped:
+                        self._add_drops(dropped)
+            except (sqlite3.Error, OSError) as exc:  # counted as a lost batch would be, for the next batch stored
+                for reason, n in {self._loss_reason(exc): 1, **(dropped or {})}.items():
+                    self._unstored[reason] = self._unstored.get(reason, 0) + n
+                raise
+            finally:
+                self._db.execute("PRAGMA synchronous=FULL")
+
+    def seal(self, lists: Lists, build: Callable[[Lists], list[dict[str, Any]]],
+             dropped: dict[str, int] | None = None) -> list[int]:
+        """Number everything staged plus ``lists`` (the interval just measured) as batches; returns their seqs.
+
+        ``build`` turns the merged record lists (staged first, so each list stays in time order) into batch bodies
+        within the wire's bounds. One transaction: a crash leaves either the staged rows or the sealed batches, never
+        both nor neither. A failure is handled as :meth:`put` handles it; the staged rows then stay for the next try."""
+        with self._lock:
+            count, size, unstored = self._count, self._bytes, self._unstored
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                merged: Lists = {}
+                for (raw,) in self._db.execute("SELECT lists FROM staged ORDER BY id").fetchall():
+                    _extend(merged, json.loads(raw))
+                _extend(merged, lists)
+                seqs = []
+                for i, body in enumerate(build(merged)):
+                    seqs.append(self._put(body, (dropped or {}) if i == 0 else {}))
+                    self._unstored = {}  # reported by the first batch only
+                self._db.execute("DELETE FROM staged")
+                self._db.execute("COMMIT")
+            except BaseException as exc:
+                if self._db.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
+                self._count, self._bytes, self._unstored = count, size, unstored
+                if isinstance(exc, sqlite3.Error | OSError):
+                    for reason, n in {self._loss_reason(exc): 1, **(dropped or {})}.items():
+                        self._unstored[reason] = self._unstored.get(reason, 0) + n
+                raise
+            self._unstored = {}
+            return seqs
 
     def _loss_reason(self, exc: BaseException) -> str:
         if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or getattr(exc, "errno", None) in _FULL:
@@ -256,6 +321,11 @@ class Spool:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _extend(into: Lists, more: Lists) -> None:
+    for name, items in more.items():
+        into.setdefault(name, []).extend(items)
 
 
 def _carried_drops(body: bytes) -> dict[str, int]:

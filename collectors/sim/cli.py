@@ -24,7 +24,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="override [cluster] seed")
     p.add_argument("--run", help="override [cluster] run name")
     p.add_argument("--duration", type=float, default=0, help="seconds to run (0 = until interrupted)")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between batches per node")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between samples per node")
+    p.add_argument("--send-interval", type=float, default=0.0,
+                   help="post each node's samples at most every S seconds (default: every sample, or as the server asks)")
     p.add_argument("--list-faults", action="store_true", help="print the fault kinds and exit")
 
 
@@ -64,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     print(f"==> simulating {scenario.nodes} nodes x {scenario.gpus_per_node} GPUs, run {scenario.run!r}, "
           f"{len(scenario.faults)} fault(s), posting to {args.server}", flush=True)
-    sender = Sender(args.server, token, threads=min(32, max(4, scenario.nodes // 8)))
+    sender = Sender(args.server, token, threads=min(32, max(4, scenario.nodes // 8)), send_interval_s=args.send_interval)
     try:
         run_simulation(SimCluster(scenario, time.time()), sender, args.interval, args.duration)
     finally:

@@ -167,7 +167,7 @@ class AgentProcess:
 
 def start_agent(tmp_path: Path, server: str, *, lib_dir: Path | None, scenario: str = "", interval: float = 0.2,
                 toml: str = "", args: tuple[str, ...] = (), spool: Path | None = None, name: str = "agent",
-                hook_port: int | None = None, token: str = TOKEN) -> AgentProcess:
+                hook_port: int | None = None, token: str = TOKEN, backoff_max: float = 0.3) -> AgentProcess:
     token_file = tmp_path / "token"
     token_file.write_text(token + "\n")
     spool = spool or tmp_path / f"{name}-spool.sqlite3"
@@ -176,7 +176,7 @@ def start_agent(tmp_path: Path, server: str, *, lib_dir: Path | None, scenario: 
     disabled = "".join(f"[sources.{s}]\nenabled = false\n" for s in OTHER_SOURCES)
     config.write_text(
         f'agent_id = "test-node"\nhost = "test-node"\ninterval_s = {interval}\nspool_path = "{spool}"\n'
-        f"backoff_initial_s = 0.05\nbackoff_max_s = 0.3\nhttp_timeout_s = 2\n{toml}\n"
+        f"backoff_initial_s = 0.05\nbackoff_max_s = {backoff_max}\nhttp_timeout_s = 2\n{toml}\n"
         f"{disabled}[sources.gpu]\nslow_interval_s = 0.2\n[sources.hooks]\naddr = \"127.0.0.1:{hook_port}\"\n"
     )
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
