@@ -10,6 +10,11 @@ database on ``--pg-url``'s server, dropped afterwards). The simulator's GPU and 
 so the columns that are NULL on a real GPU are NULL here too) are inserted for ``--hours`` at 1 Hz, the rollup pass
 runs once over them, and the tables' real sizes are read: PostgreSQL ``pg_total_relation_size`` summed over each
 table's partitions (heap, TOAST and every index), SQLite ``dbstat`` pages of the table and its indexes.
+
+Then the cost of the rollup pass in steady state: a pass over every node's last 5 min plus margins (what the 5 min
+schedule does, the newest windows not rolled up yet), ``--repeat`` times; printed as the database's CPU time (the
+PostgreSQL backend process, via psutil; SQLite runs in this process) and wall time, per raw row, per node-pass, and as
+cores at 2,048 nodes x 8 GPUs at 1 Hz. ``--explain`` adds the pass's EXPLAIN ANALYZE (PostgreSQL).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def _size(cursor: Any, vendor: str, table: str) -> int:
     return int(cursor.fetchone()[0])
 
 
-def child(nodes: int, hours: float) -> dict[str, Any]:
+def child(nodes: int, hours: float, repeat: int, explain: bool) -> dict[str, Any]:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
     import django
 
@@ -57,6 +62,7 @@ def child(nodes: int, hours: float) -> dict[str, Any]:
 
     from benchmarks.diagnosis import scenario_for
     from collectors.sim.model import SimCluster
+    from dashboard.storage.models import ROLLUPS
     from dashboard.storage.rollup import roll_up
     from dashboard.telemetry.models import Cluster, GpuSample, HostSample, Node
 
@@ -91,23 +97,85 @@ def child(nodes: int, hours: float) -> dict[str, Any]:
     a = time.perf_counter()
     roll_up()
     rolled = time.perf_counter() - a
+    vendor = connection.vendor
+    with connection.cursor() as cursor:  # before the steady passes below: their updates leave dead rows behind
+        if vendor == "postgresql":
+            cursor.execute("CHECKPOINT")
+        sizes = {label: _size(cursor, vendor, table) for label, (table, _) in TABLES.items()}
     # A steady-state pass: every node's last 5 min (the schedule) + 30 s margin + 30 s slack, minute-aligned.
     from dashboard.storage.rollup import _roll, floor_to
 
     end = datetime.fromtimestamp(start + seconds + 1, UTC)
+    lo = floor_to(end - timedelta(seconds=360), 60)
     node_ids = sorted(n.id for n in ids.values())
-    a = time.perf_counter()
-    _roll(node_ids, floor_to(end - timedelta(seconds=360), 60), end, None)
-    steady = time.perf_counter() - a
-    vendor = connection.vendor
-    with connection.cursor() as cursor:
-        if vendor == "postgresql":
-            cursor.execute("CHECKPOINT")
-        sizes = {label: _size(cursor, vendor, table) for label, (table, _) in TABLES.items()}
+    steady_rows = GpuSample.objects.filter(ts__gte=lo).count() + HostSample.objects.filter(ts__gte=lo).count()
+    from dashboard.storage.retention import rolled_tables
+
+    def forget_new() -> None:
+        # What a real pass finds: the windows of the last 5 min not rolled up yet (the one open at the previous pass
+        # partly), and the minute or two before them, margins, already rolled up and unchanged.
+        for model in rolled_tables()[len(ROLLUPS):]:
+            model._default_manager.filter(ts__gte=floor_to(end - timedelta(seconds=300), 10)).delete()
+
+    steady = _steady(lambda: _roll(node_ids, lo, end, None), repeat, forget_new)
+    plans = _explain(lambda: _roll(node_ids, lo, end, None), forget_new) if explain else []
     counts = {"gpus": GpuSample.objects.values("node_id", "gpu_index").distinct().count(),
               "nodes": len(ids), "gpu_rows": GpuSample.objects.count(), "host_rows": HostSample.objects.count()}
     return {"vendor": vendor, "sizes": sizes, "counts": counts, "hours": seconds / 3600, "feed_s": fed,
-            "rollup_s": rolled, "steady_s": steady}
+            "rollup_s": rolled, "steady": steady, "steady_rows": steady_rows, "plans": plans}
+
+
+def _explain(run: Any, reset: Any) -> list[str]:
+    """EXPLAIN ANALYZE of each statement of a steady pass (PostgreSQL; rolled back, they write): where the time goes."""
+    from django.db import connection, transaction
+    from django.test.utils import CaptureQueriesContext
+
+    if connection.vendor != "postgresql":
+        return []
+    with CaptureQueriesContext(connection) as ctx:
+        run()
+    plans = []
+    reset()
+    for q in ctx.captured_queries:
+        if not q["sql"].startswith("WITH"):
+            continue
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(f"EXPLAIN (ANALYZE, TIMING ON, COSTS OFF) {q['sql']}")
+            plans.append("\n".join(r[0] for r in cursor.fetchall()))
+            transaction.set_rollback(True)
+    return plans
+
+
+def _steady(run: Any, repeat: int, reset: Any) -> dict[str, float]:
+    """The steady-state pass ``repeat`` times (``reset`` before each, untimed); the least of each of wall time and
+    CPU time (the machine is shared: the least is the one least disturbed). CPU is the database's own: on PostgreSQL
+    the server backend process of this connection (psutil), which is where the rollup SQL runs; on SQLite this
+    process, the library being in it."""
+    from django.db import connection
+
+    proc = None
+    if connection.vendor == "postgresql":
+        import psutil
+
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            proc = psutil.Process(cursor.fetchone()[0])
+
+    def cpu() -> float:
+        if proc is None:
+            return time.process_time()
+        t = proc.cpu_times()
+        return float(t.user + t.system)
+
+    walls, cpus, clients = [], [], []
+    for _ in range(repeat):
+        reset()
+        w, c, k = time.perf_counter(), cpu(), time.process_time()
+        run()
+        walls.append(time.perf_counter() - w)
+        cpus.append(cpu() - c)
+        clients.append(time.process_time() - k)
+    return {"wall_s": min(walls), "db_cpu_s": min(cpus), "client_cpu_s": min(clients) if proc else 0.0}
 
 
 def run_backend(backend: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -123,7 +191,8 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict[str, Any]:
             conn.execute(f'CREATE DATABASE "{db}"')
         env["DATABASE_URL"] = args.pg_url.rsplit("/", 1)[0] + "/" + db
     try:
-        out = subprocess.run([sys.executable, __file__, "--child", "--nodes", str(args.nodes), "--hours", str(args.hours)],
+        out = subprocess.run([sys.executable, __file__, "--child", "--nodes", str(args.nodes), "--hours", str(args.hours),
+                              "--repeat", str(args.repeat), *(["--explain"] if args.explain else [])],
                              env=env, check=True, capture_output=True, text=True)
         return dict(json.loads(out.stdout.strip().splitlines()[-1]))
     except subprocess.CalledProcessError as exc:
@@ -147,11 +216,19 @@ def report(res: dict[str, Any], raw_hours: list[float], days_10s: list[float], d
           f"({c['gpu_rows']:,} GPU rows, {c['host_rows']:,} host rows); fed in {res['feed_s']:.0f} s, "
           f"rollup pass {res['rollup_s']:.1f} s = {res['rollup_s'] / (c['nodes'] * res['hours']) * 1000:.0f} ms per "
           f"node-hour")
-    # A steady pass covers each node's last 5 min plus margins; at scale it runs once per 5 min per node.
-    share = res["steady_s"] / c["nodes"] * SCALE_NODES / 300
-    print(f"  steady-state pass (5 min schedule): {res['steady_s'] * 1000:.0f} ms for {c['nodes']} nodes = "
-          f"{res['steady_s'] / c['nodes'] * 1000:.0f} ms per node; at {SCALE_NODES:,} nodes {share:.2f} of one core "
-          "(wall time, an upper bound on a loaded machine)")
+    # A steady pass covers each node's last 5 min plus margins (6 min of raw rows); at scale it runs once per 5 min
+    # per node, so its cost per node times the nodes over 300 s is the share of a core it keeps busy.
+    s, rows = res["steady"], res["steady_rows"]
+    gpus_per_node = c["gpus"] / c["nodes"]
+    scale_rows = SCALE_NODES * (GPUS_PER_NODE + 1) / (gpus_per_node + 1)  # the pass's rows scale with GPUs + host
+    print(f"  steady-state pass (5 min schedule, {rows:,} raw rows, both tiers, GPU and host): wall "
+          f"{s['wall_s'] * 1000:.0f} ms, database CPU {s['db_cpu_s'] * 1000:.0f} ms"
+          + (f" (+ client {s['client_cpu_s'] * 1000:.0f} ms)" if s["client_cpu_s"] else ""))
+    for what, sec in (("database CPU", s["db_cpu_s"]), ("wall", s["wall_s"])):
+        print(f"    {what:>12}: {sec / rows * 1e6:6.2f} us per raw row, {sec / c['nodes'] * 1000:6.1f} ms per node-pass; "
+              f"at {SCALE_NODES:,} nodes x {GPUS_PER_NODE} GPUs at 1 Hz: {sec / c['nodes'] * scale_rows / 300:.2f} cores")
+    for plan in res.get("plans", []):
+        print("  " + plan.replace("\n", "\n  "))
     per_day: dict[str, float] = {}
     print(f"  {'tier':<26} {'bytes/GPU/day' :>14} {'bytes/row':>10}   (host tiers: per node)")
     for label, (_, per_gpu) in TABLES.items():
@@ -185,13 +262,15 @@ def main() -> int:
     p.add_argument("--backends", nargs="*", default=["sqlite", "postgresql"], choices=["sqlite", "postgresql"])
     p.add_argument("--pg-url", default=os.environ.get("CLUSTERDX_BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
     p.add_argument("--raw-hours", type=float, nargs="*", default=[6.0, 72.0])
-    p.add_argument("--rollup-10s-days", type=float, nargs="*", default=[30.0, 7.0])
+    p.add_argument("--rollup-10s-days", type=float, nargs="*", default=[7.0, 30.0])  # the default first
     p.add_argument("--rollup-1m-days", type=float, default=30.0)
+    p.add_argument("--repeat", type=int, default=5, help="steady-state passes measured (the least is printed)")
+    p.add_argument("--explain", action="store_true", help="print EXPLAIN ANALYZE of a steady pass (PostgreSQL)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.nodes, args.hours)))
+        print(json.dumps(child(args.nodes, args.hours, args.repeat, args.explain)))
         return 0
     results = [run_backend(b, args) for b in args.backends]
     if args.json:

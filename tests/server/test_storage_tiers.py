@@ -262,3 +262,54 @@ def test_a_value_beyond_single_precision_never_blocks_a_pass(world: World) -> No
     assert row.n == 2
     assert (row.power_w_max, row.power_w_min, row.power_w_last) == pytest.approx((big, -big, -big), rel=1e-6)
     assert row.temp_c_min == (0.0 if connection.vendor == "postgresql" else 1e-300)
+
+
+def _past_hour(settings: Any) -> tuple[float, float]:
+    """An hour that ended two hours ago, beyond a 1 h hot window: the pages must read it from the rollups."""
+    settings.CLUSTERDX = {**settings.CLUSTERDX, "RAW_RETENTION_HOURS": 1.0}
+    base = floor_to(timezone.now() - timedelta(hours=3), 60).timestamp()
+    return base, base + 3600
+
+
+def test_finding_evidence_beyond_the_hot_window_is_drawn_from_the_rollups(world: World, settings: Any) -> None:
+    from dashboard.diagnosis.models import Finding
+    from dashboard.web.evidence import chart
+
+    node = Node.objects.create(cluster=world.cluster, hostname="node-e")
+    base, _ = _past_hour(settings)
+    change = base + 1800  # the clock drops from half its max to 30% half-way through the hour
+    GpuSample.objects.bulk_create([
+        GpuSample(cluster=world.cluster, node=node, gpu_index=0, ts=_dt(base + s), temp_c=80.0, sm_clock_max_mhz=2000.0,
+                  sm_clock_mhz=1000.0 if base + s < change else 600.0) for s in range(0, 3600, 2)])
+    roll_up()
+    GpuSample.objects.all().delete()  # retention purged the raw rows
+    at = _dt(change)
+    f = Finding.objects.create(cluster=world.cluster, kind="throttling", subject_type="gpu", subject="node-e/gpu0",
+                               node=node, gpu_index=0, severity="warning", title="node-e gpu0 throttles", action="Cool it",
+                               evidence={"metrics": {"clock_ratio": 0.3}, "window": [change, change + 600]},
+                               opened_at=at, updated_at=at, last_seen_at=_dt(change + 600))
+    clock = next(p for p in chart(f)["panels"] if p["id"] == "clock")
+    xs, ys = clock["series"][0]["x"], clock["series"][0]["y"]
+    assert xs and all(x % 10 == 0 for x in xs), "10 s rollup windows"
+    assert {round(y, 6) for y, x in zip(ys, xs, strict=True) if x < change} == {0.5}
+    assert {round(y, 6) for y, x in zip(ys, xs, strict=True) if x >= change} == {0.3}
+    assert (xs[0], xs[-1]) == (change - 600, change + 750), "the finding's context range (evidence.context_range)"
+
+
+def test_the_link_page_reads_host_cpu_beyond_the_hot_window_from_the_rollups(client: Any, world: World,
+                                                                              settings: Any) -> None:
+    nodes = [Node.objects.create(cluster=world.cluster, hostname=h) for h in ("lnk-a", "lnk-b")]
+    base, end = _past_hour(settings)
+    HostSample.objects.bulk_create([HostSample(cluster=world.cluster, node=n, ts=_dt(base + s), cpu_pct=cpu)
+                                    for n, cpu in zip(nodes, (90.0, 10.0), strict=True) for s in range(0, 3600, 5)])
+    roll_up()
+    HostSample.objects.all().delete()
+    client.force_login(world.owner)
+    r = client.get("/api/v1/clusters/prod-a/links/lnk-a/lnk-b/series", {"from": base, "to": end})
+    assert r.status_code == 200, r.content
+    body = r.json()
+    assert body["cpu_range"]["tier"] == "10s" and body["cpu_range"]["bucket_s"] == 10
+    for host, cpu in (("lnk-a", 90.0), ("lnk-b", 10.0)):
+        series = body["cpu"][host]
+        assert series["t"] == [base + 10 * i for i in range(360)]
+        assert set(series["cpu_pct"]["mean"]) == {cpu} and set(series["cpu_pct"]["max"]) == {cpu}
