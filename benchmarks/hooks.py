@@ -1,6 +1,6 @@
 """How much the training hooks add to a step, against a bare loop and against Lightning's ThroughputMonitor.
 
-    .venv/bin/python benchmarks/hooks.py [--steps 20000] [--rounds 5] [--work-us 50] [--json]
+    .venv/bin/python benchmarks/hooks.py [--steps 20000] [--rounds 5] [--work-us 50] [--collectives 3000] [--json]
 
 1. Plain loop. The same loop bare, with the two lines (``mon.loader`` + ``mon.step``), and fully dressed
    (plus two phases and ``mon.log(loss=...)``), in interleaved rounds so drift hits all three alike. A step is
@@ -11,6 +11,13 @@
 2. Inside a real ``lightning.Trainer`` run on the CPU, ThroughputMonitor and our LightningCallback side by side in
    the same run: each is wrapped by a probe that times every hook call it gets (less the probe's own cost,
    measured on an empty callback), summed per training step.
+
+3. Collectives, per path (a one-rank gloo group in this process, so the numbers are the hooks' own cost, not a
+   network's): a synchronous ``dist.all_reduce`` (DDP's Python hook, hand-written calls), an async one and its
+   ``wait`` (FSDP, pipelining's P2P take the same wrapper), FSDP's ``all_gather_single`` + ``reduce_scatter_single``
+   pair, and the functional all-reduce + ``wait_tensor`` DTensor issues; each untraced (tracer uninstalled),
+   installed but outside a step (the wrapper's pass-through), and timed inside a step. Then the shipping thread's
+   cost of turning one step's calls into ``groups`` (``as_record``), per step and per collective.
 
 On CUDA ThroughputMonitor also calls ``torch.cuda.synchronize()`` every step; the hooks never do. This CPU
 benchmark cannot show that difference, only the Python cost.
@@ -158,6 +165,77 @@ def lightning_side_by_side(steps: int) -> dict[str, Any]:
     return {"per_step_us": out, "probe_cost_us": probe_cost, "steps": steps, "trainer_step_us": wall / steps * 1e6}
 
 
+def collectives(calls: int, rounds: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from trainer_hooks.collectives import TRACER
+    from trainer_hooks.timing import StepTimer
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    sock.close()
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    world = dist.group.WORLD
+    t, big, out = torch.ones(256), torch.ones(1024), torch.empty(1024)
+
+    def sync() -> None:
+        dist.all_reduce(t)
+
+    def async_wait() -> None:
+        dist.all_reduce(t, async_op=True).wait()
+
+    def fsdp_pair() -> None:
+        dist.all_gather_single(out, big, async_op=True).wait()
+        dist.reduce_scatter_single(big, out, async_op=True).wait()
+
+    def functional() -> None:
+        funcol.all_reduce(t, "sum", world).wait()
+
+    paths = {"sync all_reduce": (sync, 1), "async all_reduce + wait": (async_wait, 1),
+             "FSDP all_gather + reduce_scatter": (fsdp_pair, 2), "functional all_reduce (DTensor)": (functional, 1)}
+    kept: list[Any] = []
+    timer = StepTimer("bench", 0, kept.append)
+    per_call: dict[str, dict[str, list[float]]] = {n: {"untraced": [], "installed": [], "timed": []} for n in paths}
+    for _ in range(rounds):
+        for name, (fn, n) in paths.items():
+            for mode in ("untraced", "installed", "timed"):
+                if mode == "untraced":
+                    TRACER.uninstall()
+                else:
+                    TRACER.install()
+                    TRACER.timer = timer
+                if mode == "timed":
+                    timer.begin()
+                start = ns()
+                for _ in range(calls):
+                    fn()
+                per_call[name][mode].append((ns() - start) / 1000 / calls / n)
+                if mode == "timed":
+                    timer.end()
+                    timer.poll()
+    # The shipping thread's work for a step with 64 timed collectives in two groups.
+    timer.begin()
+    for _ in range(32):
+        async_wait()
+        functional()
+    timer.end()
+    timer.poll()
+    step = kept.pop()
+    record_us = []
+    for _ in range(200):
+        start = ns()
+        timer._timings(step, {})
+        record_us.append((ns() - start) / 1000)
+    TRACER.uninstall()
+    dist.destroy_process_group()
+    med = {name: {mode: statistics.median(v) for mode, v in modes.items()} for name, modes in per_call.items()}
+    return {"per_call_us": med, "record_us_per_step": statistics.median(record_us), "record_calls": 64,
+            "calls": calls, "rounds": rounds}
+
+
 def print_report(result: dict[str, Any]) -> None:
     p = result["plain"]
     print(f"Plain loop: {p['steps']} steps of {p['work_us']:g} µs busy work, interleaved rounds")
@@ -179,6 +257,16 @@ def print_report(result: dict[str, Any]) -> None:
         ours, theirs = (lt["per_step_us"][k] for k in ("trainer_hooks.LightningCallback", "ThroughputMonitor"))
         print(f"  ours / ThroughputMonitor: p50 {ours['p50'] / theirs['p50']:.2f}, "
               f"mean {ours['mean'] / theirs['mean']:.2f}, mean99 {ours['mean99'] / theirs['mean99']:.2f}")
+    co = result.get("collectives")
+    if co:
+        print(f"Collectives on a one-rank gloo group, median of {co['rounds']} rounds of {co['calls']} (µs per collective)")
+        print(f"  {'':34} {'untraced':>9} {'installed':>10} {'timed':>9} {'added':>8} {'ratio':>6}")
+        for name, m in co["per_call_us"].items():
+            print(f"  {name:34} {m['untraced']:9.2f} {m['installed']:10.2f} {m['timed']:9.2f}"
+                  f" {m['timed'] - m['untraced']:+8.2f} {m['timed'] / m['untraced']:6.2f}")
+        per = co["record_us_per_step"]
+        print(f"  groups of a step with {co['record_calls']} collectives, built on the shipping thread: {per:.0f} µs"
+              f" per step, {per / co['record_calls']:.2f} µs per collective")
 
 
 def main() -> int:
@@ -187,6 +275,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--work-us", type=float, default=50.0, help="busy work per step, µs")
     parser.add_argument("--lightning-steps", type=int, default=3000, help="0 skips the Lightning comparison")
+    parser.add_argument("--collectives", type=int, default=3000, help="calls per path and round; 0 skips them")
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     args = parser.parse_args()
     sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the agent's stand-in: bound, never read
@@ -196,6 +285,8 @@ def main() -> int:
     result: dict[str, Any] = {"plain": plain(args.steps, args.rounds, args.work_us)}
     if args.lightning_steps:
         result["lightning"] = lightning_side_by_side(args.lightning_steps)
+    if args.collectives:
+        result["collectives"] = collectives(args.collectives, 5)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

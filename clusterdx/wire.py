@@ -248,6 +248,33 @@ class Event(Record):
     data: Labels | None = None
 
 
+GroupRole = Literal["dp", "tp", "pp", "cp", "ep", "world", "other"]
+
+
+class GroupTiming(Record):
+    """One process group's collectives during one step on one rank (trainer_hooks.collectives).
+
+    Times are wall seconds on this rank. ``inflight_s`` is the union of the intervals during which at least one of
+    the group's collectives was issued and not yet complete; ``exposed_s`` the part of it the training thread spent
+    blocked on the group (a ``wait()``, or a synchronous collective), i.e. in flight and not overlapped with compute.
+    ``arrive_s`` is when this rank issued the group's first collective of the step, from the step's start: the group's
+    peers compare it to find the late rank of the group."""
+
+    role: GroupRole  # from the DeviceMesh dimension name when there is one; "world" for the default group
+    name: Annotated[str, Len(64)]  # the group's name or description ("dp", "mesh_tp", "0")
+    group_rank: Annotated[int, Range(ge=0, le=1_000_000)]
+    group_size: Annotated[int, Range(ge=1, le=1_000_000)]
+    # Which group of its role this is (the DP replica index of a TP group, the stage pair of a PP link...): the
+    # coordinate of this rank on the mesh's other dimensions, flattened; null when there is a single group.
+    index: Annotated[int, Range(ge=0, le=1_000_000)] | None = None
+    calls: Count
+    bytes: Bytes | None = None
+    inflight_s: Seconds
+    exposed_s: Seconds | None = None
+    arrive_s: Seconds | None = None
+    ops: Annotated[dict[str, Count], Len(16)] | None = None  # calls by collective ("all_reduce": 12, "send": 4)
+
+
 class Step(Record):
     """One training step on one rank, as the training hooks measured it."""
 
@@ -268,6 +295,9 @@ class Step(Record):
     mem_allocated_bytes: Bytes | None = None
     mem_reserved_bytes: Bytes | None = None
     mem_total_bytes: Bytes | None = None
+    # Per process group (at most 16 per step). With groups, comm_s is the union of their exposed intervals plus the
+    # time in flight of collectives whose wait no hook saw (DDP's reducer); compute_s is the body minus comm_s.
+    groups: Annotated[list[GroupTiming], Len(16)] | None = None
 
 
 class DataLoaderInfo(Record):
@@ -278,6 +308,25 @@ class DataLoaderInfo(Record):
     persistent_workers: bool | None = None
     sampler: Annotated[str, Len(256)] | None = None
     dataset_path: Annotated[str, Len(4096)] | None = None
+
+
+MeshSize = Annotated[int, Range(ge=1, le=1_000_000)]
+
+
+class Layout(Record):
+    """How a run is parallelized, as the training hooks found it (DeviceMesh, the Lightning strategy, accelerate)."""
+
+    strategy: Annotated[str, Len(32)] | None = None  # ddp, fsdp, fsdp2, deepspeed, model_parallel, single...
+    mesh: Annotated[dict[str, MeshSize], Len(8)] | None = None  # DeviceMesh dimension name -> size
+    coords: Annotated[dict[str, Annotated[int, Range(ge=0, le=1_000_000)]], Len(8)] | None = None  # this rank's
+    zero_stage: Annotated[int, Range(ge=0, le=3)] | None = None  # ZeRO stage (FSDP full shard counts as 3)
+    offload: bool | None = None  # parameters or optimizer state offloaded to the CPU / NVMe
+    activation_checkpointing: bool | None = None
+    grad_accum: Annotated[int, Range(ge=1, le=1_000_000)] | None = None
+    micro_batch: Annotated[int, Range(ge=1, le=100_000_000)] | None = None  # samples per micro-batch per rank
+    sharding: Annotated[str, Len(32)] | None = None  # FSDP sharding strategy (FULL_SHARD, HYBRID_SHARD...)
+    pp_schedule: Annotated[str, Len(64)] | None = None  # pipeline schedule class (ScheduleGPipe, Schedule1F1B...)
+    pp_microbatches: Annotated[int, Range(ge=1, le=1_000_000)] | None = None
 
 
 class RunMeta(Record):
@@ -302,6 +351,7 @@ class RunMeta(Record):
     dtype: Annotated[str, Len(32)] | None = None
     last_checkpoint_step: Count | None = None
     last_checkpoint_ts: Unix | None = None
+    layout: Layout | None = None
 
 
 class Probe(Record):
@@ -382,8 +432,8 @@ class HookDatagram(Record):
 
 
 RECORDS: tuple[type[Record], ...] = (
-    GpuSample, NfsMount, HostSample, PortSample, Event, Step, DataLoaderInfo, RunMeta, Probe, RankBeat, Topology,
-    Batch, HookDatagram,
+    GpuSample, NfsMount, HostSample, PortSample, Event, GroupTiming, Step, DataLoaderInfo, Layout, RunMeta, Probe,
+    RankBeat, Topology, Batch, HookDatagram,
 )
 
 

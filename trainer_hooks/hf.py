@@ -18,6 +18,7 @@ try:
 except ImportError as exc:
     raise ImportError("trainer_hooks.HFCallback needs transformers: pip install transformers") from exc
 
+from trainer_hooks import layout
 from trainer_hooks.monitor import Monitor
 
 _LOGGED = ("loss", "grad_norm", "learning_rate")
@@ -33,6 +34,7 @@ class HFCallback(TrainerCallback):
         self.monitor.set_dtype("bf16" if args.bf16 else "fp16" if args.fp16 else None)
         self.monitor.watch(model)
         self.monitor.watch_loader(kwargs.get("train_dataloader"))
+        self.monitor.set_layout(**layout.from_hf(args))
         self.monitor.timer.step = state.global_step
         self._tokens_seen = state.num_input_tokens_seen or 0
         self.monitor.timer.fetch_begin()

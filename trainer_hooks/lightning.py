@@ -19,6 +19,7 @@ except ImportError:  # the older package name, still common
     except ImportError as exc:
         raise ImportError("trainer_hooks.LightningCallback needs Lightning: pip install lightning") from exc
 
+from trainer_hooks import layout
 from trainer_hooks.monitor import Monitor, batch_size
 
 
@@ -36,6 +37,14 @@ class LightningCallback(Callback):
         self.monitor.timer.step = max(self.monitor.timer.step, trainer.global_step)
         if _is_ddp(trainer.strategy.model) and getattr(trainer.strategy, "_ddp_comm_hook", None) is None:
             self.monitor.ddp_comm_hook(trainer.strategy.model)
+        mesh = layout.lightning_mesh(trainer)
+        if mesh is not None:
+            self.monitor.watch_mesh(mesh)
+        self.monitor.watch(trainer.strategy.model or pl_module)  # the wrapped model: FSDP, DTensor parameters
+        self.monitor.set_layout(**layout.from_lightning(trainer))
+        batch = getattr(trainer.train_dataloader, "batch_size", None)
+        if isinstance(batch, int) and batch >= 1:
+            self.monitor.set_layout(micro_batch=batch)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self.monitor.timer.fetch_begin()

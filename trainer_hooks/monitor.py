@@ -19,7 +19,9 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from trainer_hooks import layout as layouts
 from trainer_hooks import meta
+from trainer_hooks.collectives import TRACER
 from trainer_hooks.timing import CudaClock, FinishedStep, StepTimer, perf_counter
 from trainer_hooks.transport import Config, Shipper
 
@@ -36,13 +38,17 @@ class Monitor:
     (``{"tp": 8, "pp": 4}``; ``dp`` defaults to world size / (tp·pp·cp·ep)). ``device="cpu"`` forces host
     timing.
     ``transport``: ``auto`` (agent, else server), ``agent``, ``server`` or ``off``; the other transport settings
-    come from the ``CLUSTERDX_*`` environment (see docs/training-hooks.md)."""
+    come from the ``CLUSTERDX_*`` environment (see docs/training-hooks.md).
+    ``collectives`` (default on) times every collective by process group (:mod:`trainer_hooks.collectives`);
+    ``mesh``: the DeviceMesh whose dimension names give the groups' roles (found on DTensor parameters otherwise);
+    ``layout``: Layout fields to state by hand (``{"grad_accum": 4}``)."""
 
     def __init__(self, run: str | None = None, *, model: Any = None, params: int | None = None,
                  flops_per_token: float | None = None, dtype: Any = None, parallel: dict[str, int] | None = None,
                  device: Any = None, transport: str | None = None, queue_size: int | None = None,
                  interval: float | None = None, start_step: int = 0, server: str | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, collectives: bool = True, mesh: Any = None,
+                 layout: dict[str, Any] | None = None) -> None:
         self.host = meta.hostname()
         self._ident = meta.identity()
         named = run or meta.default_run_name()
@@ -65,7 +71,9 @@ class Monitor:
         self._started = False
         self._dist_seen = self._ident.source == "torch.distributed"
         self._static: dict[str, Any] = {"versions": meta.versions(), "env": meta.relevant_env()}
-        self._meta_parts: dict[str, Any] = {"dtype": meta.dtype_name(dtype), "parallel": dict(parallel or {})}
+        self._meta_parts: dict[str, Any] = {"dtype": meta.dtype_name(dtype), "parallel": dict(parallel or {}),
+                                            "layout": layouts.clean(layout or {})}
+        self._collectives = collectives
         self._params, self._flops_per_token = params, flops_per_token
         self._last_meta: dict[str, Any] | None = None
         self._meta_dirty = True
@@ -74,6 +82,8 @@ class Monitor:
         self._step_ctx = _StepContext(self)
         self._phases: dict[str, _Phase] = {}
         self._comm_ctx = _Comm(self.timer)
+        if mesh is not None:
+            self.watch_mesh(mesh)
         if model is not None:
             self.watch(model)
 
@@ -141,9 +151,44 @@ class Monitor:
 
     # -- what the run is -------------------------------------------------------------------------------------------
     def watch(self, model: Any) -> None:
-        """The model: its parameter count (and 6·N FLOPs per token unless given)."""
+        """The model: its parameter count (and 6·N FLOPs per token unless given), its layout (wrappers, DeviceMesh,
+        activation checkpointing)."""
         if self._params is None:
             self._params = meta.count_params(model)
+            self._meta_dirty = True
+        try:
+            found = layouts.from_model(model)
+            meshes = layouts.meshes_of(model)
+        except Exception as exc:  # the layout is nice to have; an odd model must not cost the steps
+            self.shipper.warn_once("layout", f"clusterdx hooks: layout unavailable: {exc!r}")
+            return
+        for mesh in meshes:
+            self.watch_mesh(mesh)
+        self.set_layout(**{k: v for k, v in found.items() if self._meta_parts["layout"].get(k) is None})
+
+    def watch_mesh(self, mesh: Any) -> None:
+        """A DeviceMesh: its dimensions and this rank's coordinates go into the layout, and its dimension names give
+        the roles (dp / tp / pp / cp / ep) of the collectives' groups."""
+        TRACER.watch_mesh(mesh)
+        root = TRACER.meshes[-1] if TRACER.meshes else mesh
+        self.set_layout(**layouts.from_mesh(root))
+        sizes = layouts.parallel_sizes(root)
+        if sizes:
+            self.set_parallel(**{k: v for k, v in sizes.items() if k not in self._meta_parts["parallel"]})
+
+    def watch_pipeline(self, schedule: Any) -> None:
+        """A ``torch.distributed.pipelining`` schedule: its kind and micro-batch count go into the layout."""
+        found = layouts.from_schedule(schedule)
+        if self._meta_parts["layout"].get("strategy") is not None:  # FSDP or TP inside each stage says more
+            del found["strategy"]
+        self.set_layout(**found)
+
+    def set_layout(self, **fields: Any) -> None:
+        """Layout fields known to the caller (``strategy="deepspeed", zero_stage=2, grad_accum=8``)."""
+        current = self._meta_parts["layout"]
+        update = layouts.clean(fields)
+        if any(current.get(k) != v for k, v in update.items()):
+            current.update(update)
             self._meta_dirty = True
 
     def watch_loader(self, loader: Any) -> None:
@@ -174,6 +219,9 @@ class Monitor:
         from trainer_hooks.ddp import register_comm_hook
 
         register_comm_hook(ddp_model, self.timer, hook=hook, state=state)
+        TRACER.set_role(getattr(ddp_model, "process_group", None), "dp")
+        if self._meta_parts["layout"].get("strategy") is None:
+            self.set_layout(strategy="ddp", zero_stage=0)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -193,6 +241,8 @@ class Monitor:
         self.shipper.close(timeout)
 
     def _drain(self) -> None:
+        if TRACER.timer is self.timer:
+            TRACER.timer = None
         self.timer.poll(force=True)
         if self._started:  # a run that ends cleanly stops stepping too: tell the server it is not a hang
             state = "crashed" if self._crashed else "finished"
@@ -212,6 +262,8 @@ class Monitor:
     def _start(self) -> None:
         self._started = True
         self._refresh_identity()
+        if self._collectives and "torch" in sys.modules and TRACER.install():
+            TRACER.attach(self.timer)  # one Monitor per process measures; the last one started wins
         self._device = _cuda_device(self._device_choice)
         if self._device is not None:
             torch = sys.modules["torch"]
@@ -291,6 +343,8 @@ class Monitor:
             if parts.get(key) is not None:
                 record[key] = parts[key]
         record["parallel"] = _parallel(parts["parallel"], ident.world_size)
+        if parts["layout"]:
+            record["layout"] = dict(parts["layout"])
         if self._params is not None:
             record["params"] = self._params
         flops = self._flops_per_token or (6.0 * self._params if self._params else None)

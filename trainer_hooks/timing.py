@@ -9,8 +9,11 @@ A step's window starts when the loop asks for its batch and ends when the step b
 * ``step_time_s``  window length (host clock);
 * ``data_wait_s``  the fetch (host clock);
 * ``comm_s``       time during which at least one collective of the step was in flight (union of intervals;
-  DDP's bucket all-reduces overlap each other and the backward pass, so a plain sum would count twice);
+  DDP's bucket all-reduces overlap each other and the backward pass, so a plain sum would count twice); with the
+  process-group tracer (:mod:`trainer_hooks.collectives`), only the part the step was held by it: the union of the
+  waits it saw, plus the time in flight of collectives waited for out of its sight (DDP's reducer);
 * ``compute_s``    body minus ``comm_s``: a rank that waits for its peers shows comm, the late one shows compute;
+* ``groups``       the same per process group (:func:`trainer_hooks.collectives.summarize`);
 * ``comm_arrive_s`` when this rank launched its first collective, from the window start: the last to arrive is
   the rank the others waited for, whether its batch or its compute was slow.
 
@@ -113,15 +116,16 @@ class FinishedStep:
     dict. That work (float formatting, interval union, event reads) is left to whoever ships the step — the
     Monitor's background thread — so the training thread pays only for the clock reads."""
 
-    __slots__ = ("begin", "comms", "data_wait", "end", "lead", "mem", "metrics", "phases", "rank", "ready_mark",
-                 "samples", "step", "step_time", "timed", "timer", "tokens", "ts")
+    __slots__ = ("begin", "calls", "comms", "data_wait", "end", "lead", "mem", "metrics", "phases", "rank",
+                 "ready_mark", "samples", "step", "step_time", "timed", "timer", "tokens", "ts")
 
     def __init__(self, timer: StepTimer, step: int, ts: float, step_time: float, data_wait: float | None,
                  lead: float, begin: Any, end: Any, phases: list[Any], comms: list[Any], tokens: int | None,
-                 samples: int | None, metrics: dict[str, Any], mem: Memory) -> None:
+                 samples: int | None, metrics: dict[str, Any], mem: Memory, calls: list[Any] | None = None) -> None:
         self.timer, self.rank, self.timed = timer, timer.rank, True
         self.step, self.ts, self.step_time, self.data_wait, self.lead = step, ts, step_time, data_wait, lead
         self.begin, self.end, self.phases, self.comms = begin, end, phases, comms
+        self.calls = calls or []  # trainer_hooks.collectives.Call: the step's collectives, by process group
         self.ready_mark = end  # the last mark to wait for: later when a tensor is logged after the step
         self.tokens, self.samples, self.metrics, self.mem = tokens, samples, metrics, mem
 
@@ -155,6 +159,7 @@ class StepTimer:
         self._begin_mark: Any = None
         self._phases: list[tuple[str, Any, Any]] = []
         self._comms: list[tuple[Any, Any]] = []
+        self._calls: list[Any] = []  # filled by trainer_hooks.collectives while a step is open
         self._metrics: dict[str, Any] = {}
         self._mem: Callable[[], Memory] | None = None
         self._step_args: tuple[int | None, int | None, int | None] = (None, None, None)
@@ -218,10 +223,10 @@ class StepTimer:
         done = FinishedStep(
             self, step, time.time(), end_host - start, (fetch[1] - fetch[0]) if fetch is not None else None,
             self._begin_host - start, self._begin_mark, end_mark, self._phases, self._comms, tokens, samples,
-            self._metrics, mem,
+            self._metrics, mem, self._calls,
         )
         self._open = False
-        self._phases, self._comms, self._metrics = [], [], {}
+        self._phases, self._comms, self._metrics, self._calls = [], [], {}, []
         # Held until the next begin(): what is logged after the step (loss.item(), HF's on_log) still joins it.
         self._pending.append(done)
 
@@ -234,7 +239,7 @@ class StepTimer:
         self._fetch = None
         for mark in (self._begin_mark, *(m for _, a, b in self._phases for m in (a, b))):
             self.clock.release(mark)
-        self._phases, self._comms = [], []
+        self._phases, self._comms, self._calls = [], [], []
 
     def poll(self, force: bool = False) -> None:
         """Ship finished steps whose GPU marks are done; the oldest go without GPU timings past ``max_pending``.
@@ -305,7 +310,7 @@ class StepTimer:
                 self._timings(done, rec)
             except RuntimeError:  # a mark recorded on another stream was not done yet: ship without GPU times
                 self.late += 1
-                for key in ("comm_s", "comm_arrive_s", "compute_s", "phases"):
+                for key in ("comm_s", "comm_arrive_s", "compute_s", "phases", "groups"):
                     rec.pop(key, None)
         self._release(done)
         for key, value in (("tokens", done.tokens), ("samples", done.samples)):
@@ -328,7 +333,13 @@ class StepTimer:
         seconds, begin = self.clock.seconds, done.begin
         body = seconds(begin, done.end)
         comm = 0.0
-        if done.comms:
+        if done.calls:
+            from trainer_hooks.collectives import summarize
+
+            extra = [(seconds(begin, a), seconds(begin, b)) for a, b in done.comms]
+            rec["groups"], comm, rec["comm_arrive_s"] = summarize(done.calls, seconds, begin, body, done.lead, extra)
+            rec["comm_s"] = comm
+        elif done.comms:
             spans = [(seconds(begin, a), seconds(begin, b)) for a, b in done.comms]
             comm = union_length(spans)
             rec["comm_s"] = comm
@@ -354,6 +365,10 @@ class StepTimer:
         for a, b in done.comms:
             release(a)
             release(b)
+        for call in done.calls:
+            for mark in (call.start, call.end, *(m for w in call.waits for m in w)):
+                if mark is not None:
+                    release(mark)
 
 
 def _finite(metrics: dict[str, Any]) -> dict[str, float]:

@@ -15,14 +15,32 @@ class Cluster(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     # Who may see the cluster, and with which role (Membership.role); ``members.add(user)`` makes a plain member.
     members = models.ManyToManyField(settings.AUTH_USER_MODEL, blank=True, related_name="clusters", through="Membership")
-    # Expected interconnect, used by the NCCL checks ("socket transport on an IB cluster").
-    interconnect = models.CharField(max_length=16, default="ib", choices=[("ib", "InfiniBand/RoCE"), ("eth", "Ethernet")])
+    # The interconnect an owner set, overriding the one detected from the agents' ports ("auto": use the detected
+    # one); the NCCL checks read the effective value (dashboard.telemetry.interconnect.effective).
+    interconnect = models.CharField(max_length=16, default="auto", choices=[
+        ("auto", "Detected"), ("ib", "InfiniBand"), ("roce", "RoCE"), ("eth", "Ethernet")])
 
     def __str__(self) -> str:
         return self.name
 
     def visible_to(self, user: object) -> bool:
         return bool(getattr(user, "is_superuser", False)) or self.members.filter(pk=getattr(user, "pk", None)).exists()
+
+    def nccl_interconnect(self) -> str:
+        """"ib" or "eth" for the NCCL checks: the override, else what the agents' ports show (telemetry.interconnect)."""
+        from dashboard.telemetry import interconnect
+
+        return interconnect.for_nccl(self)
+
+    def interconnect_label(self) -> str:
+        """What the pages show: "InfiniBand (detected)", "Ethernet (set by an owner)"."""
+        from dashboard.telemetry import interconnect
+
+        if self.interconnect in interconnect.KINDS:
+            how = "set by an owner"
+        else:
+            how = "detected" if interconnect.detected(self).kind else "assumed: no agent has reported yet"
+        return f"{interconnect.LABELS[interconnect.effective(self)]} ({how})"
 
 
 class Role(models.TextChoices):
@@ -274,6 +292,8 @@ class StepSample(models.Model):
     mem_allocated_bytes = models.BigIntegerField(null=True)
     mem_reserved_bytes = models.BigIntegerField(null=True)
     mem_total_bytes = models.BigIntegerField(null=True)
+    # Per process group timings of the step (wire.GroupTiming dicts): the late rank within its TP / PP / DP group.
+    groups = models.JSONField(null=True)
 
     class Meta:
         indexes = [

@@ -66,6 +66,8 @@ def test_the_lightning_callback_reports_steps_loss_and_the_checkpoint(udp_agent,
     (run,) = udp_agent.records("runs")[:1]
     assert run["params"] == 9 and run["world_size"] == 1 and run["dtype"] == "bf16"
     assert run["dataloader"]["batch_size"] == 4
+    assert {k: v for k, v in run["layout"].items() if v is not None} == {
+        "strategy": "single", "grad_accum": 1, "micro_batch": 4}
     checkpoint = [e for e in udp_agent.records("events") if e["kind"] == "checkpoint"]
     assert [e["step"] for e in checkpoint] == [STEPS]
     assert udp_agent.records("runs")[-1]["last_checkpoint_step"] == STEPS
@@ -92,6 +94,13 @@ def test_the_lightning_callback_times_ddp_all_reduces(udp_agent, hook_env, tmp_p
     steps = udp_agent.records("steps")
     assert all(0 < s["comm_s"] < s["step_time_s"] and s["comm_arrive_s"] is not None for s in steps)
     assert udp_agent.records("runs")[0]["parallel"] == {"dp": 1}
+    # The gradient all-reduces, seen at the process group: DDP's group is the data-parallel one. DDP's reducer waits
+    # for them in C++, out of the hooks' sight: no exposure is claimed, their time in flight counts as comm_s.
+    for s in steps:
+        (dp,) = s["groups"]
+        assert (dp["role"], dp["group_size"], dp["exposed_s"]) == ("dp", 1, None)
+        assert dp["ops"] == {"all_reduce": dp["calls"]} and dp["inflight_s"] > 0
+    assert udp_agent.records("runs")[-1]["layout"]["strategy"] == "ddp"
 
 
 def test_the_hf_callback_reports_steps_loss_grad_norm_and_checkpoints(udp_agent, hook_env, tmp_path):
@@ -139,6 +148,8 @@ def test_the_hf_callback_reports_steps_loss_grad_norm_and_checkpoints(udp_agent,
     assert all(s["metrics"]["loss"] > 0 and s["metrics"]["grad_norm"] >= 0 for s in steps)
     run = udp_agent.records("runs")[0]
     assert run["params"] == 9 and run["flops_per_token"] == 54.0 and run["world_size"] == 1
+    assert {k: v for k, v in run["layout"].items() if v is not None} == {
+        "strategy": "single", "grad_accum": 1, "micro_batch": 4}
     *checkpoints, finished = udp_agent.records("events")
     assert [(e["kind"], e["step"]) for e in checkpoints] == [("checkpoint", 3), ("checkpoint", 6)]
     assert finished["kind"] == "hook" and finished["data"] == {"state": "finished"} and finished["step"] == STEPS - 1

@@ -4,6 +4,9 @@ what the hooks post is accepted and lands as steps, run metadata and events."""
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
+from hooks_support import free_port
 
 from trainer_hooks import Monitor
 
@@ -11,15 +14,22 @@ from trainer_hooks import Monitor
 @pytest.mark.django_db(transaction=True)
 def test_the_hooks_post_to_the_real_ingest_endpoint(live_server, hook_env):
     from dashboard.telemetry import tokens
-    from dashboard.telemetry.models import Cluster, Event, Run, StepSample
+    from dashboard.telemetry.models import Cluster, Event, Rank, Run, StepSample
 
     _, token = tokens.create_token(Cluster.objects.create(name="hooks-cluster"), "hooks")
     hook_env.setenv("CLUSTERDX_SERVER", live_server.url)
     hook_env.setenv("CLUSTERDX_TOKEN", token)
-    mon = Monitor(run="live-run", transport="server", interval=0.05, parallel={"tp": 1})
-    for i in mon.loader(range(5)):
-        with mon.step(tokens=2048, samples=4):
-            mon.log(loss=1.0 / (i + 1))
+    hook_env.setenv("MASTER_ADDR", "127.0.0.1")
+    hook_env.setenv("MASTER_PORT", str(free_port()))
+    mon = Monitor(run="live-run", transport="server", interval=0.05, parallel={"tp": 1}, layout={"grad_accum": 2})
+    dist.init_process_group("gloo", rank=0, world_size=1)  # one rank: a real process group, a real collective
+    try:
+        for i in mon.loader(range(5)):
+            with mon.step(tokens=2048, samples=4):
+                dist.all_reduce(torch.ones(4))
+                mon.log(loss=1.0 / (i + 1))
+    finally:
+        dist.destroy_process_group()
     mon.checkpoint_saved(path="/ckpt/4")
     mon.close(timeout=10)
 
@@ -29,4 +39,10 @@ def test_the_hooks_post_to_the_real_ingest_endpoint(live_server, hook_env):
     assert [(r.step, r.tokens, r.samples) for r in rows] == [(i, 2048, 4) for i in range(5)]
     assert rows[1].metrics == {"loss": 0.5} and rows[0].data_wait_s is not None
     assert run.world_size == 1
+    # The collective by process group, stored as sent (StepSample.groups), and the layout in the rank's metadata.
+    (world,) = rows[1].groups
+    assert (world["role"], world["name"], world["calls"], world["bytes"], world["ops"]) == (
+        "world", "default_pg", 1, 16, {"all_reduce": 1})
+    assert world["exposed_s"] is not None and rows[1].comm_s is not None
+    assert Rank.objects.get(run=run, rank=0).meta["layout"]["grad_accum"] == 2
     assert Event.objects.filter(kind="checkpoint").count() == 1
