@@ -18,7 +18,9 @@ from clusterdx import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("dashboard.cli.demo", "run the server on the embedded default with a simulated cluster"),
     "server": ("dashboard.cli.server", "run the ASGI server (and, embedded, its scheduler)"),
-    "token": ("dashboard.cli.token", "create, list or revoke a cluster's ingest tokens"),
+    "token": ("dashboard.cli.token", "create, list or revoke a cluster's ingest tokens, or a personal API token"),
+    "user": ("dashboard.cli.user", "add a local user account"),
+    "cluster": ("dashboard.cli.cluster", "create clusters, set their interconnect, add members with roles"),
     "worker": ("dashboard.cli.worker", "run a Celery worker (production deployment)"),
     "agent": ("collectors.agent.cli", "run the node agent"),
     "simulate": ("collectors.sim.cli", "run a simulated cluster against a server"),

@@ -73,6 +73,56 @@ def env_list(name: str, default: str = "", environ: Mapping[str, str] = os.envir
     return [item.strip() for item in environ.get(name, default).split(",") if item.strip()]
 
 
+# --- single sign-on (OpenID Connect, docs/sso.md) ----------------------------------------------------------------------
+OIDC_ROLES = ("viewer", "member", "owner")
+
+
+def parse_oidc_roles(raw: str, name: str = "CLUSTERDX_OIDC_ROLES") -> list[tuple[str, str, str]]:
+    """``"gpu-oncall=prod:member,gpu-admins=prod:owner"`` -> ``[(group, cluster, role), ...]``. A typo is an error at
+    start-up: a mapping that silently matched nothing would strip every SSO user of their roles at the next login."""
+    out = []
+    for entry in (e.strip() for e in raw.split(",")):
+        if not entry:
+            continue
+        group, eq, target = entry.rpartition("=")  # a group path may hold "=", a cluster name never does
+        cluster, colon, role = target.partition(":")
+        if not eq or not group.strip() or not colon or not cluster.strip() or role.strip() not in OIDC_ROLES:
+            raise ConfigError(f"{name}: {entry!r} is not <group>=<cluster>:<role> with a role of "
+                              f"{', '.join(OIDC_ROLES)}")
+        out.append((group.strip(), cluster.strip(), role.strip()))
+    return out
+
+
+def env_oidc(environ: Mapping[str, str] = os.environ) -> dict[str, object] | None:
+    """The OpenID Connect settings, or None (SSO off) when ``CLUSTERDX_OIDC_CLIENT_ID`` is unset.
+
+    Endpoints come from the issuer's discovery document unless each is given (a provider without discovery)."""
+    client_id = env_str("CLUSTERDX_OIDC_CLIENT_ID", "", environ)
+    if not client_id:
+        return None
+    issuer = env_str("CLUSTERDX_OIDC_ISSUER", "", environ).rstrip("/")
+    endpoints = {key: env_str(f"CLUSTERDX_OIDC_{key.upper()}", "", environ)
+                 for key in ("authorization_endpoint", "token_endpoint", "userinfo_endpoint", "jwks_uri")}
+    missing = [f"CLUSTERDX_OIDC_{k.upper()}" for k, v in endpoints.items() if not v]
+    if not issuer and missing:
+        raise ConfigError(f"CLUSTERDX_OIDC_CLIENT_ID is set: set CLUSTERDX_OIDC_ISSUER (endpoints from its discovery "
+                          f"document) or {', '.join(missing)}")
+    secret = env_str("CLUSTERDX_OIDC_CLIENT_SECRET", "", environ)
+    if not secret:
+        raise ConfigError("CLUSTERDX_OIDC_CLIENT_ID is set: CLUSTERDX_OIDC_CLIENT_SECRET (or _FILE) is required")
+    return {
+        "issuer": issuer, **endpoints, "client_id": client_id, "client_secret": secret,
+        "groups_claim": env_str("CLUSTERDX_OIDC_GROUPS_CLAIM", "groups", environ),
+        "username_claim": env_str("CLUSTERDX_OIDC_USERNAME_CLAIM", "preferred_username", environ),
+        "roles": parse_oidc_roles(env_str("CLUSTERDX_OIDC_ROLES", "", environ)),
+        "scopes": env_str("CLUSTERDX_OIDC_SCOPES", "openid email profile", environ),
+        "sign_algo": env_str("CLUSTERDX_OIDC_SIGN_ALGO", "RS256", environ),
+        "label": env_str("CLUSTERDX_OIDC_LABEL", "Sign in with SSO", environ),
+        # Roles follow the groups at each login: a session this short makes someone who left a group log in again.
+        "session_hours": env_float("CLUSTERDX_OIDC_SESSION_HOURS", 12.0, min=0.1, environ=environ),
+    }
+
+
 def database_from_url(url: str, pool_size: int = 10) -> dict[str, object]:
     """``postgresql://user:pass@host:port/name`` -> Django DATABASES entry (psycopg 3)."""
     from urllib.parse import unquote, urlsplit

@@ -1,8 +1,11 @@
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
+from dashboard import sso
+
 urlpatterns = [
-    path("login/", auth_views.LoginView.as_view(template_name="web/login.html"), name="login"),
+    path("login/", sso.LoginView.as_view(), name="login"),  # the local form, and "Sign in with SSO" when configured
+    path("", include("dashboard.sso")),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", include("dashboard.ingest.urls")),
     path("", include("dashboard.api.urls")),
@@ -10,4 +13,5 @@ urlpatterns = [
     path("doctor/", include("dashboard.doctor.urls")),
     path("", include("dashboard.web.urls")),
     path("", include("dashboard.alerts.urls")),
+    path("", include("dashboard.accounts.urls")),
 ]

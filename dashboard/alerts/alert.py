@@ -76,6 +76,9 @@ def finding_info(f: Finding) -> dict[str, Any]:
         "node": f.node.hostname if f.node_id else None, "gpu_index": f.gpu_index, "rank": f.rank,
         "run": f.run.name if f.run_id else None, "opened_at": f.opened_at.isoformat(),
         "resolved_at": f.resolved_at.isoformat() if f.resolved_at else None,
+        # Who was on it: an acknowledged finding alerts no more, but its resolve notice still goes (it closes the
+        # incident the first alert opened) and says who had acknowledged it.
+        "acked_by": f.acked_by_name or None, "acked_at": f.acked_at.isoformat() if f.acked_at else None,
         "link": dashboard_link(f, f.cluster.name),
     }
 

@@ -7,6 +7,11 @@ At least once, then deduplicated: ``finding_recorded`` writes an :class:`Outbox`
 transaction; ``finding_changed`` (after the commit) drains it at once, and the alert sweep drains whatever a crash
 left behind. Draining claims the row and writes its deliveries in one transaction, and a delivery is unique per
 (endpoint, finding event), so however many times an event is planned, each endpoint gets one delivery.
+
+Acknowledged findings and silenced subjects (:mod:`dashboard.diagnosis.silences`) still get their delivery rows,
+suppressed with the reason, so the finding page says why nothing went out. A resolve still goes for an alert that
+was sent (it closes the incident the receiver opened); one for an alert held back is suppressed like it. When a
+silence ends, :func:`release_silences` sends the alerts it held back for findings still open.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from django.utils import timezone
 
 from dashboard.alerts import conf
 from dashboard.alerts.models import Delivery, Endpoint, Outbox, severity_rank
-from dashboard.diagnosis.models import Finding
+from dashboard.diagnosis import silences
+from dashboard.diagnosis.models import Finding, Silence
 from dashboard.diagnosis.signals import finding_recorded
 
 log = logging.getLogger(__name__)
@@ -119,16 +125,19 @@ def _prune() -> None:
     Outbox.objects.filter(planned_at__lt=timezone.now() - OUTBOX_KEEP).delete()
 
 
-def plan(finding: Finding, event: str) -> list[Delivery]:
-    """The deliveries to send for this event, one per interested endpoint (already written, status pending)."""
+def plan(finding: Finding, event: str, *, after: Silence | None = None) -> list[Delivery]:
+    """The deliveries to send for this event, one per interested endpoint (already written, status pending).
+
+    ``after``: the alert a silence held back, now that it has ended (sent to endpoints the finding never reached)."""
     out = []
+    held = None if event == "resolved" else silences.held_back(finding)
     for endpoint_id in Endpoint.objects.filter(cluster_id=finding.cluster_id, enabled=True).values_list("id",
                                                                                                           flat=True):
         try:
             with transaction.atomic():
                 endpoint = Endpoint.objects.select_for_update().get(id=endpoint_id)
                 delivery = plan_resolve(endpoint, finding) if event == "resolved" else \
-                    plan_alert(endpoint, finding, event)
+                    plan_alert(endpoint, finding, event, held, after)
         except IntegrityError:  # the same event signalled twice: the first one's row stands
             delivery = None
         if delivery is not None and delivery.status == S.PENDING:
@@ -145,15 +154,23 @@ def dedup(finding: Finding, event: str) -> str:
     return f"{finding.id}:{event}:{finding.severity}" if event == "escalated" else f"{finding.id}:{event}"
 
 
-def plan_alert(endpoint: Endpoint, finding: Finding, event: str) -> Delivery | None:
+def plan_alert(endpoint: Endpoint, finding: Finding, event: str, held: str | None = None,
+               after: Silence | None = None) -> Delivery | None:
     if not endpoint.wants(finding.kind, finding.severity):
         return None
-    key = dedup(finding, event)
+    key = dedup(finding, event) if after is None else f"{finding.id}:{event}:after-silence-{after.id}"
     if Delivery.objects.filter(endpoint=endpoint, dedup=key).exists():
         return None
+    if after is not None and _first_alert(endpoint, finding, sent=True) is not None:
+        return None  # this endpoint heard of the finding before the silence: nothing was held back from it
     now = timezone.now()
     row = Delivery(endpoint=endpoint, finding=finding, event=event, severity=finding.severity, dedup=key,
                    group_key=group_key(finding, event), max_attempts=conf.get("ALERTS_MAX_ATTEMPTS"))
+    if held is not None:  # a row all the same: the finding page shows what was held back, and why
+        row.status, row.last_error, row.finished_at = S.SUPPRESSED, held[:2000], now
+        row.incident_key = _incident_key(endpoint, finding)
+        row.save()
+        return row
     leader = _open_group(endpoint, row.group_key, now)
     if leader is not None and (leader.status == S.PENDING or
                                severity_rank(finding.severity) <= severity_rank(leader.severity)):
@@ -194,10 +211,50 @@ def _incident_key(endpoint: Endpoint, finding: Finding) -> str:
     return first.incident_key if first else f"clusterdx-{endpoint.cluster_id}-finding-{finding.id}"
 
 
-def _first_alert(endpoint: Endpoint, finding: Finding) -> Delivery | None:
-    row = (Delivery.objects.filter(endpoint=endpoint, finding=finding, event__in=("opened", "escalated"))
-           .select_related("group").order_by("id").first())
+def _first_alert(endpoint: Endpoint, finding: Finding, *, sent: bool = False) -> Delivery | None:
+    """The finding's first alert on this endpoint that was not held back (suppressed), else its first at all
+    (``sent``: None then). A silence that ended makes the first real alert a later row than the suppressed one."""
+    qs = (Delivery.objects.filter(endpoint=endpoint, finding=finding, event__in=("opened", "escalated"))
+          .select_related("group").order_by("id"))
+    row = qs.exclude(status=S.SUPPRESSED).first() or (None if sent else qs.first())
     return None if row is None else (row.group or row)
+
+
+SILENCES_PER_SWEEP = 20
+_release_failures: dict[int, tuple[int, float]] = {}  # silence id -> (failures, retry not before): pushed back
+
+
+def silences_due(limit: int = SILENCES_PER_SWEEP) -> list[int]:
+    """Silences that have ended and whose held-back alerts are not yet planned."""
+    return list(Silence.objects.filter(released_at=None, ends_at__lte=timezone.now())
+                .order_by("ends_at").values_list("id", flat=True)[:limit])
+
+
+def release_silences(limit: int = SILENCES_PER_SWEEP) -> list[Delivery]:
+    """The sweep's part once a silence ends: the findings it covered that are still open (and not acknowledged, not
+    under another silence) alert now. Claimed in the transaction that writes the deliveries, like the outbox: a
+    crash rolls both back, and a second sweeper finds it claimed."""
+    out: list[Delivery] = []
+    for pk in silences_due(limit):
+        failures, not_before = _release_failures.get(pk, (0, 0.0))
+        if time.monotonic() < not_before:
+            continue
+        try:
+            with transaction.atomic():
+                if Silence.objects.filter(id=pk, released_at=None).update(released_at=timezone.now()) != 1:
+                    continue
+                silence = Silence.objects.get(id=pk)
+                for finding in (Finding.objects.filter(cluster_id=silence.cluster_id, state=Finding.State.OPEN)
+                                .select_related("node", "cluster").order_by("id")):
+                    if silences.covers(silence.scope, silence.target, silences.facts(finding)):
+                        out += plan(finding, "opened", after=silence)
+            _release_failures.pop(pk, None)
+        except Exception:
+            # Rolled back with its claim, and tried again later (not every second): never a crash loop, never dropped.
+            delay = min(600.0, 2.0 ** (failures + 1))
+            _release_failures[pk] = (failures + 1, time.monotonic() + delay)
+            log.exception("alerts: releasing silence %s failed; retried in %.0f s", pk, delay)
+    return out
 
 
 def plan_resolve(endpoint: Endpoint, finding: Finding) -> Delivery | None:

@@ -59,4 +59,7 @@ class Slack(Transport):
         if head["action"] and alert.event != "resolved":
             blocks.append({"type": "context", "elements": [
                 {"type": "mrkdwn", "text": f"*Suggested action:* {_mrkdwn(head['action'])[:2900]}"}]})
+        if head.get("acked_by"):  # a resolve of an acknowledged finding: who was on it
+            blocks.append({"type": "context", "elements": [
+                {"type": "mrkdwn", "text": f"Acknowledged by {_mrkdwn(head['acked_by'])}"}]})
         return blocks

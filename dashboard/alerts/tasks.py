@@ -5,7 +5,8 @@ Embedded (tasks eager, no broker) nothing is enqueued: the embedded scheduler ru
 sends due rows from a background thread so a slow receiver never holds up ingest.
 
 Either way the sweep first plans what the alerts outbox still owes (:func:`planner.drain_outbox`): finding events
-whose on_commit fast path died with its process.
+whose on_commit fast path died with its process, and the alerts held back by silences that have ended
+(:func:`planner.release_silences`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def send_due(limit: int = 100) -> int:
 def _sweep_in_background() -> None:
     try:
         planner.drain_outbox()  # its deliveries are pending and due: the loop below sends them
+        planner.release_silences()
         for _ in range(10):  # bounded: the next sweep, a second later, carries on
             if not send_due():
                 break
@@ -77,10 +79,11 @@ def sweep() -> None:
     restart, a purge), harmless if it was not."""
     if eager():
         # The check is one indexed query on the scheduler's thread; a thread (and its connection) only when needed.
-        if (attempts.due(limit=1) or planner.owed(limit=1)) and _sweeping.acquire(blocking=False):
+        if (attempts.due(limit=1) or planner.owed(limit=1) or planner.silences_due(limit=1)) and \
+                _sweeping.acquire(blocking=False):
             threading.Thread(target=_sweep_in_background, name="alerts-sweep", daemon=True).start()
         return
-    for delivery in planner.drain_outbox():
+    for delivery in planner.drain_outbox() + planner.release_silences():
         schedule(delivery)
     for delivery_id, number in attempts.due(grace_s=float(conf.get("ALERTS_SWEEP_GRACE_S"))):
         enqueue(delivery_id, number, timezone.now())

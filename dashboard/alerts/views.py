@@ -1,5 +1,6 @@
 """Pages for alert endpoints and the delivery log. Login required; a cluster the user is not a member of is a 404
-(as on every page), and every change is a CSRF-protected POST."""
+(as on every page), and every change is a CSRF-protected POST. Every member reads them; a member may also send a test
+(the on-call checking the path); adding, enabling, disabling and deleting an endpoint is an owner's, audit-logged."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from django.views.decorators.http import require_http_methods, require_POST
 from dashboard.alerts import endpoints
 from dashboard.alerts.models import Delivery, Endpoint
 from dashboard.diagnosis.models import SEVERITIES
-from dashboard.telemetry.models import Cluster
-from dashboard.web.access import visible_clusters
+from dashboard.telemetry import audit
+from dashboard.telemetry.models import Cluster, Role
+from dashboard.web.access import has_role, require_role, visible_clusters
 
 LOG_ROWS = 200
 _KNOWN_CODES = {s.value for s in HTTPStatus}
@@ -44,6 +46,8 @@ def _cluster(request: HttpRequest, name: str) -> Cluster:
 @require_http_methods(["GET", "POST"])
 def endpoint_list(request: HttpRequest, name: str) -> HttpResponse:
     cluster = _cluster(request, name)
+    if request.method == "POST":
+        require_role(request.user, cluster, Role.OWNER)
     form = EndpointForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
         data = form.cleaned_data
@@ -55,11 +59,14 @@ def endpoint_list(request: HttpRequest, name: str) -> HttpResponse:
         except ValueError as exc:
             form.add_error(None, str(exc))
         else:
+            audit.record(request.user, "webhook.create", cluster=cluster, target=endpoint.name, kind=endpoint.kind)
             # Rendered, not redirected: the secret is in this one response and stored in no session or cookie.
             return render(request, "alerts/created.html", {"cluster": cluster, "endpoint": endpoint,
                                                            "secret": secret})
     rows = [(e, endpoints.masked_url(e)) for e in cluster.alert_endpoints.order_by("name", "id")]
-    return render(request, "alerts/endpoints.html", {"cluster": cluster, "rows": rows, "form": form})
+    return render(request, "alerts/endpoints.html", {"cluster": cluster, "rows": rows, "form": form,
+                                                     "is_owner": has_role(request.user, cluster, Role.OWNER),
+                                                     "can_test": has_role(request.user, cluster, Role.MEMBER)})
 
 
 @login_required
@@ -67,6 +74,9 @@ def endpoint_list(request: HttpRequest, name: str) -> HttpResponse:
 def endpoint_action(request: HttpRequest, name: str, pk: int, action: str) -> HttpResponse:
     cluster = _cluster(request, name)
     endpoint = get_object_or_404(Endpoint, pk=pk, cluster=cluster)
+    if action not in ("test", "enable", "disable", "delete"):
+        raise Http404("no such action")
+    require_role(request.user, cluster, Role.MEMBER if action == "test" else Role.OWNER)
     if action == "test":
         row = endpoints.send_test(endpoint)
         level = messages.SUCCESS if row.status == Delivery.Status.DELIVERED else messages.ERROR
@@ -74,12 +84,12 @@ def endpoint_action(request: HttpRequest, name: str, pk: int, action: str) -> Ht
     elif action in ("enable", "disable"):
         endpoint.enabled = action == "enable"
         endpoint.save(update_fields=["enabled"])
+        audit.record(request.user, f"webhook.{action}", cluster=cluster, target=endpoint.name)
         messages.info(request, f"{endpoint.name} {action}d")
-    elif action == "delete":
-        endpoint.delete()
-        messages.info(request, f"{endpoint.name} deleted")
     else:
-        raise Http404("no such action")
+        endpoint.delete()
+        audit.record(request.user, "webhook.delete", cluster=cluster, target=endpoint.name)
+        messages.info(request, f"{endpoint.name} deleted")
     return redirect("alerts", name=cluster.name)
 
 

@@ -46,6 +46,15 @@ def _ingest_path() -> dict[str, Any]:
     }
 
 
+def _personal_tokens_read(paths: dict[str, Any]) -> None:
+    """Every GET a session may read, a personal token may read too (dashboard.accounts.middleware): listed as the
+    alternative here, once, rather than in each page's path items."""
+    for item in paths.values():
+        op = item.get("get")
+        if isinstance(op, dict) and {"session": []} in op.get("security", []) and {"personalToken": []} not in op["security"]:
+            op["security"] = [*op["security"], {"personalToken": []}]
+
+
 def document() -> dict[str, Any]:
     schemas = wire.json_schema()
     schemas["Error"] = {
@@ -57,13 +66,16 @@ def document() -> dict[str, Any]:
         "type": "object",
         "required": ["status", "seq"],
         "properties": {"status": {"enum": ["accepted", "duplicate"]}, "seq": {"type": "integer"},
-                       "records": {"type": "integer"}},
+                       "records": {"type": "integer"},
+                       # Also in the 429 busy answer: the least seconds between one agent's posts the server wants.
+                       "send_interval_s": {"type": "number", "minimum": 1}},
     }
     paths: dict[str, Any] = {"/api/v1/ingest": _ingest_path()}
     for config in apps.get_app_configs():
         extra = getattr(config, "openapi_paths", None)
         if callable(extra):
             paths.update(extra())
+    _personal_tokens_read(paths)
     return {
         "openapi": "3.1.0",
         "info": {"title": "clusterdx", "version": __version__,
@@ -75,6 +87,9 @@ def document() -> dict[str, Any]:
                 "clusterToken": {"type": "http", "scheme": "bearer",
                                  "description": "A per-cluster ingest token from `clusterdx token create CLUSTER`."},
                 "session": {"type": "apiKey", "in": "cookie", "name": "sessionid"},
+                "personalToken": {"type": "http", "scheme": "bearer",
+                                  "description": "A personal API token (`cdxp_…`) from /account/tokens/ or `clusterdx "
+                                                 "token create-personal USER`: acts as its user, GET only."},
             },
         },
     }

@@ -102,7 +102,8 @@ def _json_safe(value: Any) -> Any:
 
 
 def api(view: Callable[..., dict[str, Any]]) -> Callable[..., HttpResponse]:
-    """A read-only JSON API view: GET only, session (or later token) auth, 401 / 404 / 400 as JSON with the reason.
+    """A read-only JSON API view: GET only, session or personal-token auth (dashboard.accounts.middleware sets
+    ``request.user`` from ``Authorization: Bearer``), 401 / 404 / 400 as JSON with the reason.
 
     The view returns a plain dict; this turns it into the response, so every endpoint answers errors alike."""
 
@@ -111,7 +112,8 @@ def api(view: Callable[..., dict[str, Any]]) -> Callable[..., HttpResponse]:
         if request.method not in ("GET", "HEAD"):
             return api_error(405, "method_not_allowed", "this endpoint is read-only: use GET")
         if not request.user.is_authenticated:
-            return api_error(401, "unauthenticated", "log in first (session cookie)")
+            return api_error(401, "unauthenticated",
+                             "log in first (session cookie) or send Authorization: Bearer <personal API token>")
         try:
             body = view(request, *args, **kwargs)
         except Http404 as exc:

@@ -15,6 +15,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.urls import path, reverse
 
+from dashboard.diagnosis import silences
 from dashboard.diagnosis.detectors import KINDS
 from dashboard.diagnosis.live import finding_row
 from dashboard.diagnosis.models import SEVERITIES, Finding
@@ -22,6 +23,7 @@ from dashboard.telemetry.models import Node, Run
 from dashboard.web import evidence
 from dashboard.web.access import api, cluster_or_404, finding_or_404
 from dashboard.web.links import cluster_url, finding_url, findings_url, node_url, run_url
+from dashboard.web.pages.attention import forms_context, silences_of
 
 EARLIER = 50
 DELIVERIES = 100
@@ -40,7 +42,29 @@ def finding_info(f: Finding) -> dict[str, Any]:
         "peer_node": f.peer_node.hostname if f.peer_node_id else None,
         "run_name": f.run.name if f.run_id else None, "run_url": run_url(f.run_id) if f.run_id else None,
     })
-    return row
+    return silences.mark([row])[0]
+
+
+def silence_choices(f: Finding) -> list[dict[str, str]]:
+    """What the finding page offers to silence, narrowest first: its GPU or link, its node, its run, its kind."""
+    host = f.node.hostname if f.node_id else None
+    out = []
+    if host and f.gpu_index is not None:
+        out.append(("gpu", f"{host}/gpu{f.gpu_index}", f"GPU {host}/gpu{f.gpu_index}"))
+    if f.subject_type == "link" and "~" in f.subject:
+        out.append(("link", f.subject, f"link {f.subject}"))
+    if host:
+        out.append(("node", host, f"node {host} (maintenance: its GPUs, ranks and links)"))
+    if f.run_id:
+        out.append(("run", str(f.run_id), f"run {f.run.name}"))
+    out.append(("kind", f.kind, f"every {f.kind} finding on {f.cluster.name}"))
+    return [{"scope": scope, "target": target, "label": label} for scope, target, label in out]
+
+
+def covering_silences(f: Finding) -> list[dict[str, Any]]:
+    """The active silences that hold back alerts about this finding (each can be ended from the page)."""
+    row = {**silences.facts(f), "cluster_id": f.cluster_id}
+    return [s for s in silences_of(f.cluster) if silences.covers(s["scope"], s["target"], row)]
 
 
 def earlier(f: Finding) -> list[dict[str, Any]]:
@@ -69,13 +93,15 @@ def detail(f: Finding) -> dict[str, Any]:
     # The page needs only the cluster's findings from the stream: narrowed to no node ("-"), it is spared every
     # GPU's deltas and events (a 2,048-node snapshot is megabytes of them).
     return {"finding": finding_info(f), "chart": evidence.chart(f), "earlier": earlier(f),
-            "deliveries": deliveries(f), "ws": f"/ws/live/?cluster={f.cluster_id}&only=findings"}
+            "deliveries": deliveries(f), "ws": f"/ws/live/?cluster={f.cluster_id}&only=findings",
+            "silences": covering_silences(f), "silence_choices": silence_choices(f)}
 
 
 @login_required
 def finding_detail(request: HttpRequest, finding_id: int) -> HttpResponse:
     f = finding_or_404(request.user, finding_id)
-    return render(request, "web/finding.html", {"finding": f, "cluster": f.cluster, "data": detail(f)})
+    return render(request, "web/finding.html", {"finding": f, "cluster": f.cluster, "data": detail(f),
+                                                **forms_context(request.user, f.cluster)})
 
 
 @api
@@ -92,7 +118,8 @@ def finding_list(request: HttpRequest, name: str) -> HttpResponse:
             "ws": f"/ws/live/?cluster={cluster.id}&only=findings"}
     return render(request, "web/findings.html", {"cluster": cluster, "runs": runs, "hosts": hosts, "kinds": KINDS,
                                                   "severities": SEVERITIES, "states": Finding.State.values,
-                                                  "data": data})
+                                                  "data": data, "silences": silences_of(cluster),
+                                                  "scopes": silences.SCOPES, **forms_context(request.user, cluster)})
 
 
 urlpatterns: list[Any] = [

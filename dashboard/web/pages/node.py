@@ -18,11 +18,13 @@ from django.shortcuts import render
 from django.urls import path
 
 from collectors.xid import describe_xid
+from dashboard.diagnosis import silences
 from dashboard.diagnosis.live import finding_row
 from dashboard.diagnosis.models import Finding
 from dashboard.telemetry.models import Event, GpuSample, Node, PortSample, Rank
 from dashboard.web.access import api, int_param, node_or_404
 from dashboard.web.links import cluster_url, gpu_url, node_url, rank_url, run_url
+from dashboard.web.pages.attention import forms_context
 from dashboard.web.pages.node_series import node_series
 from dashboard.web.series import parse_range
 
@@ -48,9 +50,22 @@ def _findings(node: Node, gpu: int | None) -> dict[str, list[dict[str, Any]]]:
     qs = Finding.objects.filter(Q(node=node) | Q(peer_node=node)).select_related("cluster", "node", "peer_node")
     if gpu is not None:
         qs = qs.filter(Q(gpu_index=gpu) | Q(gpu_index=None))
-    open_ = [finding_row(f) for f in qs.filter(state=Finding.State.OPEN).order_by("-updated_at")[:100]]
+    open_ = silences.mark([finding_row(f) for f in qs.filter(state=Finding.State.OPEN).order_by("-updated_at")[:100]])
     past = [finding_row(f) for f in qs.exclude(state=Finding.State.OPEN).order_by("-updated_at")[:PAST_FINDINGS]]
     return {"open": open_, "past": past}
+
+
+def _silences(node: Node, gpu: int | None) -> list[dict[str, Any]]:
+    """Active silences on this node: of the node itself, of its GPUs (the GPU view: of that GPU), of its links."""
+    host = node.hostname
+    out = []
+    for s in silences.active([node.cluster_id]):
+        ends = s.target.split("~") if s.scope == "link" else []
+        on_gpu = s.scope == "gpu" and s.target.rpartition("/gpu")[0] == host and \
+            (gpu is None or s.target == f"{host}/gpu{gpu}")
+        if (s.scope == "node" and s.target == host) or on_gpu or host in ends:
+            out.append(silences.silence_info(s))
+    return sorted(out, key=lambda s: s["ends_at"])
 
 
 def _state(node: Node, open_findings: list[dict[str, Any]]) -> str:
@@ -132,6 +147,7 @@ def node_facts(node: Node, gpu: int | None = None) -> dict[str, Any]:
         "ranks": _ranks(node),
         "ports": _ports(node),
         "findings": findings,
+        "silences": _silences(node, gpu),
         "events": [event_row(e, cluster, host) for e in events.order_by("-ts", "-id")[:EVENT_LIMIT]],
         "live": {"ws": f"/ws/live/?cluster={node.cluster_id}&node={host}"},
     }
@@ -148,8 +164,13 @@ def _page(request: HttpRequest, name: str, host: str, gpu: int | None) -> HttpRe
     if gpu is not None:
         data["api"]["facts"] += f"?gpu={gpu}"
     template = "web/gpu.html" if gpu is not None else "web/node.html"
+    # What a member may silence from here: the node (maintenance), and on the GPU view that GPU alone.
+    targets = [("node", node.hostname, f"node {node.hostname} (maintenance: its GPUs, ranks and links)")]
+    if gpu is not None:
+        targets.insert(0, ("gpu", f"{node.hostname}/gpu{gpu}", f"GPU {node.hostname}/gpu{gpu}"))
     return render(request, template, {"cluster": node.cluster, "node": node, "gpu": gpu, "page_data": data,
-                                      "facts": facts})
+                                      "facts": facts, "silence_targets": targets,
+                                      **forms_context(request.user, node.cluster)})
 
 
 @login_required
@@ -222,7 +243,9 @@ OPENAPI: dict[str, Any] = {
                           "run, run_name, run_url, rank, url, gpu_index, active (its run stepped in the last 10 min)"}},
                 "ports": {"type": "array", "items": {"type": "object"}},
                 "findings": {"type": "object", "description": "open and past findings on this node, with url and "
-                             "subject_url"},
+                             "subject_url; open ones say acked_by / acked_at and silenced"},
+                "silences": {"type": "array", "items": {"type": "object"}, "description": "active silences of the "
+                             "node, its GPUs and links: id, scope, target, reason, by, ends_at"},
                 "events": {"type": "array", "items": {"type": "object", "description":
                            "newest first; an Xid carries xid: name, meaning, action, severity"}}}}}}},
             "400": {"description": "A bad parameter", **_ERROR}, **_ERRORS}}},
@@ -233,7 +256,9 @@ OPENAPI: dict[str, Any] = {
                               "IB/RoCE ports and probes to and from each peer", "content": {"application/json": {
                                   "schema": {"type": "object", "required": ["range", "gpus", "throttle"],
                                              "properties": {
-                    "range": {"type": "object", "description": "from, to, bucket_s, points"},
+                    "range": {"type": "object", "description": "from, to, bucket_s, tier: the storage tier the GPU and "
+                              "host series were read from (raw: 1 Hz samples; 10s, 1m: rollup windows, beyond the raw "
+                              "hot window or when a bucket spans whole windows anyway)"},
                     "gpus": {"type": "object", "additionalProperties": _SERIES, "description": "by GPU index"},
                     "throttle": {"type": "object", "description": "by GPU index, by reason: [[t0, t1], ...] spans"},
                     "host": _SERIES, "nfs": {"type": "object", "additionalProperties": _SERIES},

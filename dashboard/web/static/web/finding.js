@@ -37,7 +37,27 @@ function renderAnswer() {
     ["detector window", w ? `${fmt(w[1] - w[0], 0)} s, ending ${when(w[1])}` : "–"],
     ["all findings", link(f.findings_url, `on ${f.cluster}`)],
   ];
+  $("f-attention").innerHTML = attention(f);
+  const ackForm = $("ack-form");
+  if (ackForm) {
+    ackForm.hidden = f.state !== "open";
+    ackForm.elements.ack.value = f.acked_by ? "0" : "1";
+    const button = ackForm.querySelector("button");
+    button.id = f.acked_by ? "unack-button" : "ack-button";
+    button.textContent = f.acked_by ? "Take the acknowledgement back" : "Acknowledge (no more alerts until it resolves)";
+  }
   $("f-facts").innerHTML = facts.map(([k, v]) => `<div><dt>${esc(k)}</dt><dd>${k === "updated" || k === "all findings" ? v : esc(v)}</dd></div>`).join("");
+}
+
+// Who is on it, in words: the acknowledgement, and the silences that hold its alerts back (with their reasons).
+function attention(f) {
+  const out = [];
+  if (f.acked_by) out.push(`<span class="pill acked">acknowledged</span> by ${esc(f.acked_by)} at ${esc(when(f.acked_at))}: no more alerts until it resolves.`);
+  for (const s of data.silences || []) {
+    out.push(`<span class="pill silenced">silenced</span> ${esc(s.scope)} ${esc(s.target)} until ${esc(when(s.ends_at))} by ${esc(s.by)}: ${esc(s.reason)}`);
+  }
+  if (!data.silences?.length && f.silenced) out.push(`<span class="pill silenced">silenced</span> until ${esc(when(f.silenced.until))} by ${esc(f.silenced.by)}: ${esc(f.silenced.reason)}`);
+  return out.join("<br>");
 }
 
 // -- the evidence ---------------------------------------------------------------------------------------------------
@@ -169,7 +189,8 @@ function reload(delay = 500) {
 function onFrame(frame) {
   const mine = (frame.findings || []).filter((r) => r.id === ID).pop();
   if (!mine) return;
-  const changed = mine.state !== data.finding.state || mine.updated_at !== data.finding.updated_at;
+  const changed = mine.state !== data.finding.state || mine.updated_at !== data.finding.updated_at ||
+    mine.acked_by !== data.finding.acked_by || JSON.stringify(mine.silenced ?? null) !== JSON.stringify(data.finding.silenced ?? null);
   Object.assign(data.finding, mine);
   renderAnswer();
   if (changed) reload();

@@ -2,6 +2,7 @@
 // pages of PAGE rows, and new or changed findings from the live stream prepended when they match the filters.
 import {esc, when, age, link, $, pageData} from "./lib/fmt.js";
 import {connectLive} from "./lib/live.js";
+import {badges, keepMarks} from "./lib/attention.js";
 
 const DATA = pageData();
 const PAGE = 50;
@@ -54,7 +55,7 @@ function rowHtml(f, fresh = false) {
   return `<tr data-id="${esc(f.id)}" class="sev-${esc(f.severity)}${fresh ? " fresh" : ""}">
     <td><span class="sev ${esc(f.severity)}">${esc(f.severity)}</span></td>
     <td class="state-${esc(f.state)}">${esc(f.state)}</td>
-    <td>${link(f.url, f.title)}</td><td>${link(f.subject_url, f.subject)}</td>
+    <td>${link(f.url, f.title)} ${badges(f)}</td><td>${link(f.subject_url, f.subject)}</td>
     <td class="headline">${esc(f.headline || "")}</td><td>${esc(f.kind)}</td>
     <td title="${esc(when(f.opened_at))}">${esc(age(f.opened_at))} ago</td><td>${esc(when(f.updated_at))}</td></tr>`;
 }
@@ -102,7 +103,7 @@ function onFrame(frame) {
   for (const f of frame.findings) {
     const i = rows.findIndex((r) => r.id === f.id);
     if (i >= 0) {
-      if (!matches(f)) { rows.splice(i, 1); total -= 1; } else rows[i] = {...rows[i], ...f, _fresh: true};
+      if (!matches(f)) { rows.splice(i, 1); total -= 1; } else rows[i] = {...rows[i], ...keepMarks(rows[i], f), _fresh: true};
       dirty = true;
     } else if (offset === 0 && matches(f)) {
       rows.unshift({...f, _fresh: true});
@@ -113,5 +114,7 @@ function onFrame(frame) {
   if (dirty) { rows = rows.slice(0, PAGE); render(); }
 }
 
+// Silence end times are rendered as epoch seconds by the server: shown in the reader's own time zone.
+document.querySelectorAll("#silences .epoch").forEach((el) => { el.textContent = when(Number(el.dataset.ts)); });
 fillForm();
 load().then(() => connectLive(DATA.ws, onFrame));

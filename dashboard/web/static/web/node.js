@@ -6,6 +6,7 @@ import {esc, fmt, bytes, age, when, link, $, pageData, getJSON} from "./lib/fmt.
 import {connectLive, drawLoop} from "./lib/live.js";
 import {COLORS, layout, timeAxis, toDates, bandTraces, hline, react} from "./lib/chart.js";
 import {rangePicker, rangeQuery, isLive} from "./lib/range.js";
+import {badges} from "./lib/attention.js";
 
 const DATA = pageData();
 let facts = DATA.facts;
@@ -25,10 +26,13 @@ const sortedKeys = (o) => Object.keys(o || {}).sort((a, b) => Number(a) - Number
 // -- facts: findings, GPUs, ranks, events -------------------------------------------------------------------------
 function findingItem(f) {
   return `<li class="sev-${esc(f.severity)}"><span class="sev ${esc(f.severity)}">${esc(f.severity)}</span>
-    ${link(f.url, f.title)} <span class="muted">· ${link(f.subject_url, f.subject)} · ${esc(f.kind)} ·
+    ${link(f.url, f.title)} ${f.state === "open" ? badges(f) : ""} <span class="muted">· ${link(f.subject_url, f.subject)} · ${esc(f.kind)} ·
     ${f.state === "open" ? "open " + age(f.opened_at) : "updated " + when(f.updated_at)}</span>
     ${f.action ? `<div class="action">${esc(f.action)}</div>` : ""}</li>`;
 }
+
+// Silence end times come as epoch seconds in the server-rendered list: shown in the reader's own time zone.
+document.querySelectorAll("#node-silences .epoch").forEach((el) => { el.textContent = when(Number(el.dataset.ts)); });
 
 function renderFindings() {
   const open = facts.findings.open;
