@@ -22,6 +22,8 @@ SCHEDULE: dict[str, tuple[str, float]] = {
     "rollup": ("dashboard.storage.tasks.roll_up", 300.0),
     "alerts-sweep": ("dashboard.alerts.tasks.sweep", 1.0),
     "diagnosis": ("dashboard.diagnosis.tasks.diagnose", float(settings.CLUSTERDX["DIAGNOSIS_INTERVAL_S"])),
+    # MFU per step and goodput per run (dashboard.diagnosis.efficiency): figures, not alarms; every 10 s is fresh enough.
+    "efficiency": ("dashboard.diagnosis.tasks.record_efficiency", 10.0),
 }
 
 

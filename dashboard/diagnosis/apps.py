@@ -10,8 +10,9 @@ _FINDING = {
     "properties": {
         "id": {"type": "integer"}, "kind": {"type": "string"}, "state": {"enum": ["open", "resolved"]},
         "severity": {"enum": ["info", "warning", "error", "critical"]},
-        "subject_type": {"enum": ["cluster", "node", "gpu", "rank", "link", "run"]},
-        "subject": {"type": "string", "description": "node-003, node-003/gpu4, <run>/rank5, node-001~node-002, <run>"},
+        "subject_type": {"enum": ["cluster", "node", "gpu", "rank", "link", "switch", "run"]},
+        "subject": {"type": "string", "description": "node-003, node-003/gpu4, <run>/rank5, node-001~node-002, <run>, "
+                    "leaf-12 (a switch or rack), leaf-1~leaf-2 (the uplinks between them)"},
         "title": {"type": "string"}, "action": {"type": "string"}, "confidence": {"type": "number"},
         "headline": {"type": "string", "description": "the one line of evidence that matters"},
         "url": {"type": "string", "description": "the finding's page"},
@@ -19,6 +20,11 @@ _FINDING = {
         "run": {"type": ["integer", "null"]}, "cluster": {"type": "string"},
         "opened_at": {"type": "number"}, "updated_at": {"type": "number"}, "resolved_at": {"type": ["number", "null"]},
         "evidence": {"type": "object", "description": "metrics, window [t0, t1] and series to plot"},
+        "acked_by": {"type": ["string", "null"], "description": "who acknowledged it (no more alerts until it "
+                     "resolves)"},
+        "acked_at": {"type": ["number", "null"]},
+        "silenced": {"type": ["object", "null"], "description": "the active silence holding its alerts back: id, "
+                     "until, reason, by"},
     },
 }
 _CAUSE = {

@@ -101,7 +101,9 @@ def _clear(f: Finding, now: datetime, changes: Changes) -> None:
 
 
 def _notify(cluster_id: int, changes: Changes) -> None:
-    rows = [finding_row(f) for f in changes.visible]
+    from dashboard.diagnosis.silences import mark
+
+    rows = mark([finding_row(f) for f in changes.visible])  # one query, only in a pass that changed something
     if rows:
         transaction.on_commit(
             lambda: broadcast(cluster_group(cluster_id), {"type": "findings", "cluster": cluster_id, "findings": rows}))

@@ -18,7 +18,10 @@ def finding_row(f: Finding) -> dict[str, Any]:
             "subject_type": f.subject_type, "title": f.title, "action": f.action, "confidence": f.confidence,
             "run": f.run_id, "node": f.node.hostname if f.node_id else None, "gpu_index": f.gpu_index,
             "rank": f.rank, "opened_at": f.opened_at.timestamp(), "updated_at": f.updated_at.timestamp(),
-            "headline": headline(f), "url": finding_url(f.id), "subject_url": subject_url(f)}
+            "headline": headline(f), "url": finding_url(f.id), "subject_url": subject_url(f),
+            # Who is on it (dashboard.diagnosis.silences); ``silenced`` is added by silences.mark, one query a list.
+            "cluster_id": f.cluster_id, "acked_by": f.acked_by_name or None,
+            "acked_at": f.acked_at.timestamp() if f.acked_at else None}
 
 
 def findings_for(cluster_id: int, run_id: int | None) -> list[dict[str, Any]]:
@@ -28,4 +31,6 @@ def findings_for(cluster_id: int, run_id: int | None) -> list[dict[str, Any]]:
     if run_id is not None:
         qs = qs.filter(Q(run_id=run_id) | Q(node__ranks__run_id=run_id)).distinct()
     qs = qs.select_related("cluster", "node", "peer_node")
-    return [finding_row(f) for f in qs.order_by("-updated_at")[:100]]
+    from dashboard.diagnosis.silences import mark
+
+    return mark([finding_row(f) for f in qs.order_by("-updated_at")[:100]])

@@ -13,16 +13,18 @@ from typing import Any
 
 import numpy as np
 from django.db import connection
-from django.db.models import Max
+from django.db.models import Max, Min
 
 from dashboard.diagnosis.detectors.window import (
     GPU_NUM,
     GPU_OBJ,
+    LOSS_SPAN,
     PORT_NUM,
     PORT_OBJ,
     PROBE_NUM,
     SPANS,
     STEP_NUM,
+    STEP_OBJ,
     STEP_SPAN,
     RankInfo,
     RunInfo,
@@ -31,6 +33,7 @@ from dashboard.diagnosis.detectors.window import (
     bus_key,
 )
 from dashboard.live.state import get_state
+from dashboard.telemetry import interconnect
 from dashboard.telemetry import models as m
 
 ACTIVE_RUN_S = 3600.0  # runs that stepped within this long are examined (a longer stall is not a hang any more)
@@ -62,12 +65,14 @@ def _rows(model: type, columns: list[str], where: str, params: list[Any]) -> lis
 def _read(model: type, num: list[str], obj: list[str], where: str,
           params: list[Any]) -> tuple[np.ndarray, list[list[Any]]]:
     """(numeric columns as one float matrix, one row per column; the object columns as lists). The numeric part
-    goes from the cursor's rows to floats in one C-level conversion (None -> NaN): no per-column Python pass."""
+    goes from the cursor's rows to floats in one C-level conversion (None -> NaN): no per-column Python pass. The
+    matrix is the transposed view, not a copy: at 2,048 nodes a copy of the GPU window cost a third of a second, and
+    columns are only read whole or by fancy indexing, which strides cost nothing to."""
     rows = _rows(model, [*num, *obj], where, params)
     k = len(num)
     if not rows:
         return np.empty((k, 0)), [[] for _ in obj]
-    mat = np.array([r[:k] for r in rows] if obj else rows, dtype=float).T.copy()
+    mat = np.array([r[:k] for r in rows] if obj else rows, dtype=float).T
     return mat, [[r[j] for r in rows] for j in range(k, k + len(obj))]
 
 
@@ -122,7 +127,9 @@ def _since(cluster_id: int, now: float, span: float) -> tuple[str, list[Any]]:
     return "cluster_id = %s AND ts >= %s", [cluster_id, connection.ops.adapt_datetimefield_value(_dt(now - span))]
 
 
-def load_window(cluster: m.Cluster, now: float) -> Window:
+def load_window(cluster: m.Cluster, now: float, beats: list[dict[str, Any]] | None = None) -> Window:
+    """``beats``: the ranks' latest beats when the caller has them (the pass's own process cannot see the embedded
+    server's in-memory live state); by default read from the live state."""
     nodes_rows = list(m.Node.objects.filter(cluster=cluster).values_list("id", "hostname", "agent_id", "last_seen"))
     hostnames = sorted(h for _, h, _, _ in nodes_rows)
     index = {h: i for i, h in enumerate(hostnames)}
@@ -131,13 +138,40 @@ def load_window(cluster: m.Cluster, now: float) -> Window:
     gpus = _gpus(cluster.id, now, lut)
     ports = _ports(cluster.id, now, lut)
     probes = _probes(cluster.id, now, lut, hostnames, index)
-    runs, steps = _runs(cluster, now)
+    runs, steps, losses = _runs(cluster, now)
     w = Window(now=now, nodes=hostnames, steps=steps, gpus=gpus, ports=ports, probes=probes,
                events=_events(cluster.id, now), hosts=_hosts(cluster.id, now, by_id, hostnames), runs=runs,
-               last_heard={}, interconnect=cluster.interconnect, gpu_bus=_gpu_bus(cluster), span=dict(SPANS))
+               last_heard={}, interconnect=cluster.nccl_interconnect(), gpu_bus=_gpu_bus(cluster), span=dict(SPANS))
     w.last_heard = _last_heard(w, nodes_rows, index, now)
-    w.beats = get_state().beats(cluster.id)
+    w.beats = get_state().beats(cluster.id) if beats is None else beats
+    w.nccl_state = _nccl_state(cluster.id, runs)
+    w.losses = losses
+    w.places, w.fabric = _places(cluster), interconnect.effective(cluster)
     return w
+
+
+def _places(cluster: m.Cluster) -> dict[str, tuple[str, str]]:
+    """host -> (rack, switch) of the nodes whose place is known (a separate small read: most clusters know none)."""
+    rows = m.Node.objects.filter(cluster=cluster).exclude(rack="", switch="").values_list("hostname", "rack", "switch")
+    return {h: (r, s) for h, r, s in rows}
+
+
+NCCL_STATE_FACTS = ["transport", "network", "fallback", "net_devices", "interfaces"]
+MAX_NCCL_STATE = 2000
+
+
+def _nccl_state(cluster_id: int, runs: list[RunInfo]) -> list[dict[str, Any]]:
+    """The NCCL transport facts since the oldest active run began (the agent sends each once per log file, so
+    these are few): the detector holds a socket fallback for the run's life, not the 120 s event window."""
+    if not runs:
+        return []
+    began = m.Run.objects.filter(id__in=[r.id for r in runs]).aggregate(t=Min("created_at"))["t"]
+    if began is None:
+        return []
+    qs = (m.Event.objects.filter(cluster_id=cluster_id, kind="nccl", ts__gte=began, data__fact__in=NCCL_STATE_FACTS)
+          .order_by("-ts")[:MAX_NCCL_STATE])
+    return [{"ts": e["ts"].timestamp(), "node": e["node__hostname"], "kind": "nccl", "data": e["data"]}
+            for e in qs.values("ts", "node__hostname", "data")]
 
 
 def _gpus(cluster_id: int, now: float, lut: np.ndarray) -> Table:
@@ -201,7 +235,7 @@ def _events(cluster_id: int, now: float) -> list[dict[str, Any]]:
     return out
 
 
-def _runs(cluster: m.Cluster, now: float) -> tuple[list[RunInfo], Table]:
+def _runs(cluster: m.Cluster, now: float) -> tuple[list[RunInfo], Table, dict[str, np.ndarray]]:
     runs = list(m.Run.objects.filter(cluster=cluster, last_step_at__gte=_dt(now - ACTIVE_RUN_S)).order_by("id"))
     infos = [RunInfo(r.name, r.world_size, dict(r.meta), {}, r.last_step,
                      r.last_step_at.timestamp() if r.last_step_at else None, id=r.id) for r in runs]
@@ -215,16 +249,53 @@ def _runs(cluster: m.Cluster, now: float) -> tuple[list[RunInfo], Table]:
     for c in ckpts:
         by_run[c["run_id"]].checkpoints.append((c["last"].timestamp(), c["step"]))
     parts: list[dict[str, np.ndarray]] = []
-    cols = ["rank", "step", _epoch(), *STEP_NUM[4:]]
+    objs: list[np.ndarray] = []
+    losses: dict[str, np.ndarray] = {}
     for i, r in enumerate(runs):
         if r.last_step is None:
             continue
-        mat, _ = _read(m.StepSample, cols, [], "run_id = %s AND step > %s", [r.id, r.last_step - STEP_SPAN])
-        part = {c: mat[i] for i, c in enumerate(STEP_NUM[1:])}
+        mat, groups, metrics = _steps_and_losses(r.id, r.last_step, min(infos[i].ranks, default=0))
+        steps = mat[-1] == 0
+        part = {c: mat[k][steps] for k, c in enumerate(STEP_NUM[1:])}
         parts.append({"run": np.full(len(part["rank"]), float(i)), **part})
+        objs.append(_objs([g for g, keep in zip(groups, steps, strict=True) if keep]))
+        loss = _losses(mat, metrics, ~steps)
+        if len(loss):
+            losses[r.name] = loss
     if not parts:
-        return infos, Table.from_rows(STEP_NUM, (), [])
-    return infos, Table({c: np.concatenate([p[c] for p in parts]) for c in STEP_NUM})
+        return infos, Table.from_rows(STEP_NUM, STEP_OBJ, []), losses
+    return infos, Table({c: np.concatenate([p[c] for p in parts]) for c in STEP_NUM},
+                        {"groups": np.concatenate(objs) if objs else np.empty(0, dtype=object)}), losses
+
+
+def _steps_and_losses(run_id: int, last_step: int, loss_rank: int) -> tuple[np.ndarray, list[Any], list[Any]]:
+    """One query per run, two index range scans: every rank's last STEP_SPAN steps ((run, step); part 0) and the
+    loss of ``loss_rank``'s last LOSS_SPAN steps ((run, rank, step); part 1: the training loop's loss is the same on
+    every rank, or logged on rank 0 only). Returns the numeric rows (STEP_NUM[1:] then the part) and the groups and
+    metrics cells."""
+    table = connection.ops.quote_name(m.StepSample._meta.db_table)
+    nums = ["rank", "step", _epoch(), *STEP_NUM[4:]]
+    blank = ", ".join(["NULL"] * len(STEP_NUM[4:]))
+    sql = (f"SELECT {', '.join(nums)}, 0, groups, NULL FROM {table} WHERE run_id = %s AND step > %s "
+           f"UNION ALL SELECT rank, step, {_epoch()}, {blank}, 1, NULL, metrics FROM {table} "
+           "WHERE run_id = %s AND rank = %s AND step > %s")
+    with connection.cursor() as cur:
+        cur.execute(sql, [run_id, last_step - STEP_SPAN, run_id, loss_rank, last_step - LOSS_SPAN])
+        rows = cur.fetchall()
+    k = len(nums) + 1
+    if not rows:
+        return np.empty((k, 0)), [], []
+    return np.array([r[:k] for r in rows], dtype=float).T, [r[k] for r in rows], [r[k + 1] for r in rows]
+
+
+def _losses(mat: np.ndarray, metrics: list[Any], rows: np.ndarray) -> np.ndarray:
+    """(step, ts, loss) rows, by step, from the loss part of :func:`_steps_and_losses`."""
+    out = []
+    for j in np.nonzero(rows)[0]:
+        loss = (_json(metrics[j]) or {}).get("loss")
+        if isinstance(loss, int | float) and not isinstance(loss, bool):
+            out.append((mat[1][j], mat[2][j], float(loss)))
+    return np.array(sorted(out), dtype=float).reshape(-1, 3)
 
 
 def _gpu_bus(cluster: m.Cluster) -> dict[tuple[str, str], int]:

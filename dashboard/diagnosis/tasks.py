@@ -14,11 +14,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from celery import shared_task
 from django.conf import settings
 from django.db import connection
 
+from dashboard import metrics
+from dashboard.diagnosis import efficiency
 from dashboard.diagnosis.detectors import Detection, Thresholds, run_all
 from dashboard.diagnosis.lifecycle import Changes, reconcile
 from dashboard.diagnosis.loader import load_window
@@ -58,6 +61,17 @@ def _cluster_lock(cluster_id: int) -> Iterator[bool]:
                 cur.execute("SELECT pg_advisory_unlock(%s, %s)", [LOCK_NAMESPACE, cluster_id])
 
 
+def detect(cluster: Cluster, now: float, t: Thresholds | None = None,
+           beats: list[dict[str, Any]] | None = None) -> tuple[list[Detection], dict[str, float]]:
+    """The read-only half of a pass (the window, the detectors): what the embedded default runs in a process of its
+    own (:mod:`dashboard.diagnosis.offload`). Returns the detections and the seconds each part took."""
+    t0 = time.perf_counter()
+    window = load_window(cluster, now, beats)
+    t1 = time.perf_counter()
+    detections = run_all(window, t or thresholds())
+    return detections, {"load": t1 - t0, "detect": time.perf_counter() - t1}
+
+
 def run_pass(cluster: Cluster, now: float | None = None, t: Thresholds | None = None) -> PassResult:
     now = time.time() if now is None else now
     result = PassResult(cluster.name)
@@ -65,14 +79,11 @@ def run_pass(cluster: Cluster, now: float | None = None, t: Thresholds | None = 
         if not got:
             result.skipped = True
             return result
-        t0 = time.perf_counter()
-        window = load_window(cluster, now)
-        t1 = time.perf_counter()
-        result.detections = run_all(window, t or thresholds())
+        result.detections, result.timings_s = detect(cluster, now, t)
         t2 = time.perf_counter()
         result.changes = reconcile(cluster, result.detections, datetime.fromtimestamp(now, tz=UTC))
-        t3 = time.perf_counter()
-    result.timings_s = {"load": t1 - t0, "detect": t2 - t1, "reconcile": t3 - t2, "total": t3 - t0}
+        result.timings_s["reconcile"] = time.perf_counter() - t2
+    result.timings_s["total"] = sum(result.timings_s.values())
     return result
 
 
@@ -80,6 +91,14 @@ def active_clusters(now: float) -> list[Cluster]:
     """Clusters with a node heard from within the last day (a quiet cluster costs nothing)."""
     since = datetime.fromtimestamp(now, tz=UTC) - timedelta(days=1)
     return list(Cluster.objects.filter(nodes__last_seen__gte=since).distinct().order_by("id"))
+
+
+@shared_task(name="dashboard.diagnosis.tasks.record_efficiency")
+def record_efficiency() -> dict[str, int]:
+    """MFU per step and goodput per run, stored (dashboard.diagnosis.efficiency): a task of its own, beside the
+    pass, so the pass stays a bounded read plus the findings' reconcile. Cluster name -> steps folded."""
+    now = time.time()
+    return {c.name: efficiency.record(c.id, now) for c in active_clusters(now)}
 
 
 @shared_task(name="dashboard.diagnosis.tasks.diagnose")
@@ -93,4 +112,6 @@ def diagnose() -> dict[str, float]:
             log.exception("diagnosis pass for cluster %s failed", cluster.name)
             continue
         took[cluster.name] = round(res.timings_s.get("total", 0.0), 4)
+        if not res.skipped:
+            metrics.DIAGNOSIS_SECONDS.observe(res.timings_s["total"])
     return took

@@ -120,8 +120,10 @@ def findings(request: HttpRequest) -> JsonResponse:
         return api_error(404, "not_found", str(exc))
     total = qs.count()
     page = qs.select_related("cluster", "node", "peer_node").order_by("-updated_at", "-id")[offset:offset + limit]
-    rows = [{**finding_row(f), "cluster": f.cluster.name, "resolved_at": f.resolved_at.timestamp() if f.resolved_at
-             else None, "evidence": f.evidence} for f in page]
+    from dashboard.diagnosis.silences import mark
+
+    rows = mark([{**finding_row(f), "cluster": f.cluster.name, "resolved_at": f.resolved_at.timestamp() if
+                  f.resolved_at else None, "evidence": f.evidence} for f in page])
     response = JsonResponse({"findings": rows})
     response["X-Total-Count"] = str(total)
     if offset + limit < total:

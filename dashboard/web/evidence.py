@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
+from django.conf import settings
 from django.db.models import F, FloatField, Max, Q
 from django.db.models.functions import Cast, NullIf
 
@@ -36,7 +37,7 @@ from dashboard.diagnosis.models import Finding
 from dashboard.telemetry.models import Event, GpuSample, HostSample, PortSample, Probe, Rank, StepSample
 from dashboard.web import evidence_math as em
 from dashboard.web.evidence_headline import headline
-from dashboard.web.series import TimeRange, downsample
+from dashboard.web.series import TimeRange, downsample, downsample_tiered, tiered
 
 __all__ = ["KINDS", "chart", "context_range", "headline", "thresholds"]
 
@@ -272,6 +273,36 @@ def _efficiency(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[st
                   window=_step_window(f, steps, step_ts))]
 
 
+def _exposed_comm(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    """The exposed share of the step per process-group role, as the detector measured it, against its line."""
+    from dashboard.diagnosis.detectors.groups import EXPOSED_WARN
+
+    roles = ((f.evidence or {}).get("metrics") or {}).get("by_role") or {}
+    names = sorted(roles, key=lambda r: -(roles[r] or 0))
+    if not names:
+        return []
+    return [panel("exposed", f"Share of each step {f.subject} sits blocked in communication, by process group",
+                  "category", "exposed / step", [line("exposed share", "subject", names, [roles[r] for r in names])],
+                  [{"name": f"exposed {EXPOSED_WARN:g} (run total)", "x": names, "y": [EXPOSED_WARN] * len(names),
+                    "value": EXPOSED_WARN}], kind="bar")]
+
+
+def _loss_spike(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    """The run's loss the spike was judged against (stored with the finding), the spike marked with its cause."""
+    s = ((f.evidence or {}).get("series") or {}).get("loss") or {}
+    steps, ys = s.get("step") or [], s.get("loss") or []
+    if not steps:
+        return []
+    m = (f.evidence or {}).get("metrics") or {}
+    causes = m.get("causes") or []
+    text = f"spike: {causes[0]['what']} on {causes[0]['host']}/gpu{causes[0]['gpu']}" if causes else "spike"
+    return [panel("loss", f"Loss of {f.run.name if f.run else 'the run'} before the spike", "step", "loss",
+                  [line("loss", "subject", steps, ys)],
+                  const(f"median {m.get('median_loss')}", m.get("median_loss"), steps),
+                  window=[s.get("spike_step"), s.get("spike_step")],
+                  markers=[{"x": s.get("spike_step"), "text": text}])]
+
+
 def _checkpoint(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
     if f.run_id is None:
         return []
@@ -327,11 +358,27 @@ def _gpu_qs(f: Finding) -> Any:
     return GpuSample.objects.filter(node_id=f.node_id, gpu_index=f.gpu_index)
 
 
+def _gpu_range(t0: float, t1: float, points: int) -> TimeRange:
+    """Raw rows while the range is inside the hot window (the values the detector judged, at full resolution); beyond
+    it, where the raw rows are gone (a finding from last week), the rollup tier that holds the range."""
+    tr = TimeRange(t0, t1, points)
+    return tiered(tr) if t0 < time.time() - settings.CLUSTERDX["RAW_RETENTION_HOURS"] * 3600 else tr
+
+
 def _throttling(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
     if f.node_id is None or f.gpu_index is None:
         return []
-    qs = _gpu_qs(f).annotate(clock_ratio=F("sm_clock_mhz") / NullIf(F("sm_clock_max_mhz"), 0.0))
-    got = downsample(qs, TimeRange(t0, t1, POINTS), ["clock_ratio", "temp_c"]).get("")
+    tr = _gpu_range(t0, t1, POINTS)
+    if tr.tier:
+        # Rollups keep each column's statistics, not the ratio's: the ratio of the bucket's mean clocks.
+        got = downsample_tiered(GpuSample, {"node_id": f.node_id, "gpu_index": f.gpu_index}, tr,
+                                ["sm_clock_mhz", "sm_clock_max_mhz", "temp_c"]).get("")
+        if got:
+            got["clock_ratio"] = {"mean": [c / m if c is not None and m else None for c, m in zip(
+                got["sm_clock_mhz"]["mean"], got["sm_clock_max_mhz"]["mean"], strict=True)]}
+    else:
+        qs = _gpu_qs(f).annotate(clock_ratio=F("sm_clock_mhz") / NullIf(F("sm_clock_max_mhz"), 0.0))
+        got = downsample(qs, tr, ["clock_ratio", "temp_c"]).get("")
     if not got:
         s = ((f.evidence or {}).get("series") or {})
         if not s.get("ts"):
@@ -363,8 +410,10 @@ def _failing_gpu(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[s
         return []
     cols = sorted({c for cs, *_ in COUNTERS for c in cs} | {"util_gpu_pct"})
     # Counters read at the pass's resolution (1 s buckets, the newest value of each), so the rolling increase is
-    # the one the detector summed; the range is capped to keep it to a few thousand points.
-    got = downsample(_gpu_qs(f), TimeRange(max(t0, t1 - 3600), t1, 5000), cols).get("")
+    # the one the detector summed; the range is capped to keep it to a few thousand points. Beyond the hot window the
+    # buckets are the rollups' (10 s, max of each window): the increase over a span is the same up to a window.
+    tr = _gpu_range(max(t0, t1 - 3600), t1, 5000)
+    got = downsample_tiered(GpuSample, {"node_id": f.node_id, "gpu_index": f.gpu_index}, tr, cols).get("")
     events = list(Event.objects.filter(node_id=f.node_id, kind="xid", ts__gte=_dt(t0), ts__lte=_dt(t1))
                   .filter(Q(gpu_index=f.gpu_index) | Q(gpu_index__isnull=True)).values_list("ts", "code"))
     markers = [{"x": round(ts.timestamp(), 3), "text": f"Xid {code}"} for ts, code in events]
@@ -399,6 +448,8 @@ def _probe_qs(f: Finding) -> Any:
 
 
 def _slow_link(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    if f.subject_type == "switch":
+        return _switch(f, t, t0, t1)
     if f.node_id is None:
         return []
     metrics, win, out = (f.evidence or {}).get("metrics") or {}, evidence_window(f), []
@@ -422,6 +473,56 @@ def _slow_link(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str
     if "port" in metrics or "ports" in (f.evidence or {}):
         out += _ports(f, t0, t1, win)
     return out
+
+
+def _switch(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    """A leaf switch / uplink: the RTT of the pairs that leave its nodes next to the pairs inside, and the bar."""
+    metrics = (f.evidence or {}).get("metrics") or {}
+    hosts = list(metrics.get("nodes") or [])[:256]
+    if not hosts:
+        return []
+    qs = Probe.objects.filter(cluster_id=f.cluster_id, node__hostname__in=hosts)
+    rng = TimeRange(t0, t1, POINTS)
+    cross = downsample(qs.exclude(peer__in=hosts), rng, ["rtt_ms"]).get("")
+    inside = downsample(qs.filter(peer__in=hosts), rng, ["rtt_ms"]).get("")
+    if not cross:
+        return []
+    xs, base = cross["t"], metrics.get("baseline_rtt_ms")
+    series = [line(f"pairs leaving {f.subject}", "subject", xs, em.clean(cross["rtt_ms"]["mean"]))]
+    if inside:
+        series.append(line(f"pairs inside {f.subject}", "context", inside["t"], em.clean(inside["rtt_ms"]["mean"])))
+    return [panel("rtt", f"Probe RTT of {f.subject}'s nodes: leaving it vs inside it", "time", "RTT (ms)", series,
+                  const(f"max({t.rtt_ratio:g}× quiet, quiet + {t.rtt_abs_ms:g} ms)", em.rtt_threshold(base, t), xs),
+                  window=evidence_window(f))]
+
+
+def _congestion(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    """The first congested port's counter classes per second (deltas over each sample's interval), and the limit
+    of the class that decided."""
+    from dashboard.diagnosis.detectors.congestion import CLASSES
+
+    metrics = (f.evidence or {}).get("metrics") or {}
+    ports, worst = metrics.get("ports") or [], metrics.get("worst")
+    if not ports or worst not in CLASSES:
+        return []
+    device, _, num = str(ports[0].get("port", "")).rpartition(":")
+    if not num.isdigit():
+        return []
+    rows = list(PortSample.objects.filter(cluster_id=f.cluster_id, node__hostname=ports[0].get("host"),
+                                          device=device, port=int(num), ts__gte=_dt(t0), ts__lte=_dt(t1))
+                .order_by("ts").values_list("ts", "counters", "interval_s")[:5000])
+    rows = [r for r in rows if isinstance(r[1], dict) and r[2]]
+    if not rows:
+        return []
+    xs = [round(ts.timestamp(), 3) for ts, _, _ in rows]
+    classes = [worst] + [c for c in metrics.get("classes") or [] if c != worst and c in CLASSES]
+    series = [line(cls, "subject" if cls == worst else "context", xs,
+                   [round(sum(int(c.get(n) or 0) for n in CLASSES[cls]) / dt, 3) for _, c, dt in rows])
+              for cls in classes]
+    where = f"{ports[0].get('host')} {ports[0].get('port')}"
+    return [panel("congestion", f"RDMA congestion counters of {where} per second", "time", "events / s", series,
+                  const(f"{worst} limit {metrics.get('limit_per_s')}/s", metrics.get("limit_per_s"), xs),
+                  window=evidence_window(f))]
 
 
 def _ports(f: Finding, t0: float, t1: float, win: list[float] | None) -> list[dict[str, Any]]:
@@ -499,7 +600,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "throttling": ("clock_ratio", "throttle_s", "throttle_with_rank_s", "busy_util_pct"),
     "node_down": ("silent_min_s", "silent_intervals", "heartbeat_s", "probe_loss_frac"),
     "rank_down": ("beat_silent_s", "beat_suspect_s"), "hang": ("hang_steps", "hang_min_s"),
-    "nccl_config": ("ib_timeout_min", "ib_timeout_scale_ranks"),
+    "nccl_config": ("ib_timeout_min", "ib_timeout_scale_ranks"), "congestion": (),
     "checkpoint_overdue": ("ckpt_slack_steps", "ckpt_slack_frac", "ckpt_max_age_s", "gpu_hour_usd"),
     "memory_pressure": ("mem_warn", "mem_error", "persist_steps"), "efficiency": ("mfu_floor",),
 }
@@ -508,8 +609,13 @@ BUILDERS: dict[str, Callable[[Finding, Thresholds, float, float], list[dict[str,
     "data_starvation": _starvation, "straggler": _late_panels, "slow_link": _slow_link,
     "failing_gpu": _failing_gpu, "throttling": _throttling, "node_down": _node_down, "rank_down": _stall,
     "hang": _stall, "nccl_config": _nccl, "checkpoint_overdue": _checkpoint, "memory_pressure": _memory,
-    "efficiency": _efficiency,
+    "efficiency": _efficiency, "congestion": _congestion,
 }
+
+
+# The parallel-layout kinds (detectors.groups, detectors.loss).
+PARAMS |= {"exposed_comm": ("persist_steps", "recent_steps"), "loss_spike": ()}
+BUILDERS |= {"exposed_comm": _exposed_comm, "loss_spike": _loss_spike}
 
 
 def chart(f: Finding, t: Thresholds | None = None, now: float | None = None) -> dict[str, Any]:

@@ -150,3 +150,51 @@ def test_a_node_created_while_the_pass_reads_waits_for_the_next_pass(world: Worl
     assert joined and "node-late" not in first.nodes and len(first.gpus)
     second = loader.load_window(world.cluster, now)
     assert "node-late" in second.nodes and "node-late" in second.hosts
+
+
+@pytest.mark.django_db(transaction=True)  # the pass's own process reads what this one committed
+def test_the_embedded_pass_reads_in_its_own_process_and_survives_its_death(world: World) -> None:
+    """Embedded, the scheduler runs the pass's read and detectors in a child process (so it never holds the server's
+    GIL or database thread); the findings are reconciled here, and the child precomputes the overview page's first
+    paint. A child that dies is replaced at the next pass."""
+    import asyncio
+    import os
+    import signal
+
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    from dashboard.diagnosis import offload
+    from dashboard.live.state import get_state
+    from dashboard.scheduler import EMBEDDED_RUNNERS
+    from dashboard.web.pages.overview import first_paint, overview
+
+    assert EMBEDDED_RUNNERS["dashboard.diagnosis.tasks.diagnose"] == "dashboard.diagnosis.offload.diagnose"
+    feed = Feed(world, [{"kind": "nccl_env_drift", "at_s": 3, "rank": 5}], nodes=4, gpus=2)
+    feed.t0 = time.time() - 8  # the task uses the wall clock
+    feed.sim = SimCluster(feed.sim.s, feed.t0)
+    feed.run(7, passes=False)
+    try:
+        assert asyncio.run(offload.diagnose()).keys() == {world.cluster.name}
+        assert Finding.objects.filter(kind="nccl_config", subject="llm/rank5", state="open").exists()
+        # ... and then the overview, which the page renders itself with: what the page would compute at that moment.
+        got = offload.precomputed_overview(world.cluster.id, 600)
+        assert got is not None
+        body, _ = got
+        live = get_state()
+        assert body == overview(world.cluster, body["now"], (live.gpus(world.cluster.id),
+                                                             live.heartbeats(world.cluster.id)))
+        assert [f["subject"] for f in body["findings"]] == ["llm/rank5"] and len(body["nodes"]) == 4
+        assert first_paint(world.cluster) is body
+        Finding.objects.filter(subject="llm/rank5").update(severity="critical")  # not what the page would show now
+        assert first_paint(world.cluster)["findings"][0]["severity"] == "critical"
+        child = offload.pool().submit(os.getpid).result(timeout=60)
+        assert child != os.getpid()
+        os.kill(child, signal.SIGKILL)
+        assert asyncio.run(offload.diagnose()) == {}, "the pass the child died in is skipped, not raised"
+        assert asyncio.run(offload.diagnose()).keys() == {world.cluster.name}, "a new child took over"
+        assert offload.pool().submit(os.getpid).result(timeout=60) not in (child, os.getpid())
+    finally:
+        offload.shutdown(wait=True)  # the child's connection closes before the test database is dropped
+        # ... and so does the one of asgiref's thread that ran the reconcile
+        asyncio.run(sync_to_async(connections.close_all, thread_sensitive=True)())

@@ -9,15 +9,19 @@ the straggler is reported once, as the straggler, with the throttle as the evide
 from __future__ import annotations
 
 from dashboard.diagnosis.detectors.base import Detection, Thresholds
+from dashboard.diagnosis.detectors.congestion import congestion
 from dashboard.diagnosis.detectors.gpu import failing_gpus, throttling
+from dashboard.diagnosis.detectors.groups import exposed_comm, late_in_groups
+from dashboard.diagnosis.detectors.loss import loss_spikes
 from dashboard.diagnosis.detectors.nccl import nccl_config
 from dashboard.diagnosis.detectors.network import nodes_down, slow_links
+from dashboard.diagnosis.detectors.paths import covered_nodes, slow_paths
 from dashboard.diagnosis.detectors.steps import checkpoint_risk, efficiency, hang, late_ranks, memory_pressure
 from dashboard.diagnosis.detectors.window import Window
 
 KINDS = ("data_starvation", "straggler", "slow_link", "failing_gpu", "throttling", "node_down", "rank_down", "hang",
-         "nccl_config",
-         "checkpoint_overdue", "memory_pressure", "efficiency")
+         "nccl_config", "congestion",
+         "checkpoint_overdue", "memory_pressure", "efficiency", "exposed_comm", "loss_spike")
 
 __all__ = ["KINDS", "Detection", "Thresholds", "Window", "run_all"]
 
@@ -59,12 +63,26 @@ def run_all(w: Window, t: Thresholds | None = None) -> list[Detection]:
     excused = _excused(w, down, gpus)
     out = down + gpus
     out += hang(w, t, max(t.silent_min_s, 2.0), excused)
-    late = late_ranks(w, t)
+    # Within their process group first (the slow TP rank, the slow stage); the flat cross-rank rule for the rest.
+    late = late_in_groups(w, t)
+    in_group: dict[str, set[int]] = {}
+    for d in late:
+        in_group.setdefault(d.run or "", set()).add(d.rank if d.rank is not None else -1)
+    late += late_ranks(w, t, in_group)
     out += late
     straggling = {(d.node, d.gpu_index) for d in late if d.kind == "straggler"}
     out += [d for d in throttling(w, t, rank_gpus) if (d.node, d.gpu_index) not in straggling]
     out += memory_pressure(w, t)
-    out += slow_links(w, t, {d.subject for d in down})
+    out += exposed_comm(w, t, {d.run for d in late if d.run})
+    out += loss_spikes(w, t)
+    down_hosts = {d.subject for d in down}
+    # Paths and leaf switches first: a switch's nodes are not named one by one, and a path is named only while
+    # neither of its ends is (a node with most pairs bad is the node rule's).
+    paths = slow_paths(w, t, down_hosts)
+    links = slow_links(w, t, down_hosts, covered_nodes(paths))
+    named = {d.node for d in links}
+    out += [d for d in paths if d.node not in named and d.peer_node not in named] + links
+    out += congestion(w, t, down_hosts)
     out += nccl_config(w, t)
     out += checkpoint_risk(w, t)
     out += efficiency(w, t)

@@ -45,6 +45,7 @@ class Thresholds:
     data_share_min: float = 0.05  # a starved rank waits at least this share of its step for data
     compute_ratio_min: float = 1.04
     run_starved_share: float = 0.15  # every rank waits this share: the whole run is starved
+    run_wide_frac: float = 0.9  # "every rank": this share of the ranks; fewer culprits are each named
     # Hang: no step for this many median steps (and at least min_s) while every agent of the run is alive.
     hang_steps: float = 5.0
     hang_min_s: float = 3.0
@@ -84,6 +85,7 @@ class Thresholds:
     # Memory.
     mem_warn: float = 0.90
     mem_error: float = 0.95
+    mem_reserved_full: float = 0.98  # reserved by the caching allocator: near-OOM even if less is allocated
     # Checkpoints: overdue past the learned cadence by max(slack_steps, slack_frac x cadence); without a cadence,
     # after max_age_s.
     ckpt_slack_steps: int = 5

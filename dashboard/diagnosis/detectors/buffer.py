@@ -9,14 +9,18 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 from dashboard.diagnosis.detectors.window import (
     GPU_NUM,
     GPU_OBJ,
+    LOSS_SPAN,
     PORT_NUM,
     PORT_OBJ,
     PROBE_NUM,
     SPANS,
     STEP_NUM,
+    STEP_OBJ,
     STEP_SPAN,
     RankInfo,
     RunInfo,
@@ -45,6 +49,8 @@ class WindowBuffer:
         self.last_heard: dict[str, float] = {}
         self.gpu_bus: dict[tuple[str, str], int] = {}
         self.beats: dict[tuple[str, int], dict[str, Any]] = {}  # (run, rank) -> latest beat, as the live state
+        self.places: dict[str, tuple[str, str]] = {}  # host -> (rack, switch), as the ingest writer stores them
+        self.losses: dict[str, dict[int, tuple[int, float, float]]] = {}  # run -> step -> (rank, ts, loss)
 
     def _node(self, host: str) -> int:
         if host not in self.nodes:
@@ -61,6 +67,10 @@ class WindowBuffer:
         host = batch["host"]
         n = self._node(host)
         heard = batch.get("sent_at", 0.0)
+        top = batch.get("topology") or {}
+        if top.get("rack") or top.get("switch"):  # a part left out keeps what was known, as the writer does
+            rack, switch = self.places.get(host, ("", ""))
+            self.places[host] = (top.get("rack") or rack, top.get("switch") or switch)
         for g in batch.get("gpus", []):
             self.gpus.append((n, g["index"], g["ts"], *(g.get(c) for c in GPU_NUM[3:]),
                               *(g.get(c) for c in GPU_OBJ)))
@@ -79,7 +89,12 @@ class WindowBuffer:
             self._meta(host, meta)
         for s in batch.get("steps", []):
             ri = self._run(s["run"])
-            self.steps.append((ri, *(s.get(c) for c in STEP_NUM[1:])))
+            self.steps.append((ri, *(s.get(c) for c in STEP_NUM[1:]), *(s.get(c) for c in STEP_OBJ)))
+            loss = (s.get("metrics") or {}).get("loss")
+            if loss is not None:
+                seen = self.losses.setdefault(s["run"], {})
+                if s["step"] not in seen or s["rank"] < seen[s["step"]][0]:  # the lowest rank's, as the loader reads
+                    seen[s["step"]] = (s["rank"], s["ts"], float(loss))
             run = self.runs[s["run"]]
             if run.last_step_ts is None or s["ts"] > run.last_step_ts:
                 run.last_step, run.last_step_ts = s["step"], s["ts"]
@@ -127,10 +142,20 @@ class WindowBuffer:
         hosts = {h: v for h, v in self.hosts.items() if v["ts"] >= now - SPANS["hosts"]}
         return Window(
             now=now, nodes=nodes,
-            steps=Table.from_rows(STEP_NUM, (), list(self.steps)),
+            steps=Table.from_rows(STEP_NUM, STEP_OBJ, list(self.steps)),
             gpus=Table.from_rows(GPU_NUM, GPU_OBJ, list(self.gpus)),
             ports=Table.from_rows(PORT_NUM, PORT_OBJ, list(self.ports)),
             probes=Table.from_rows(PROBE_NUM, (), list(self.probes)),
             events=list(self.events), hosts=hosts, runs=list(self.runs.values()),
             last_heard=dict(self.last_heard), interconnect=self.interconnect, gpu_bus=dict(self.gpu_bus),
-            span=dict(SPANS), beats=list(self.beats.values()))
+            span=dict(SPANS), beats=list(self.beats.values()), losses=self._losses(),
+            places=dict(self.places), fabric=self.interconnect)
+
+    def _losses(self) -> dict[str, np.ndarray]:
+        out = {}
+        for run, by_step in self.losses.items():
+            keep = sorted(by_step)[-LOSS_SPAN:]
+            for s in [s for s in by_step if s < keep[0]]:
+                del by_step[s]
+            out[run] = np.array([(s, by_step[s][1], by_step[s][2]) for s in keep], dtype=float).reshape(-1, 3)
+        return out

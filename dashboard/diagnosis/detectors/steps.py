@@ -8,6 +8,7 @@ across ranks: the culprit shows in its own data wait or compute and in when it a
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,9 @@ import numpy as np
 from dashboard.diagnosis.detectors import ranks
 from dashboard.diagnosis.detectors.base import Detection, Thresholds, rnd, robust_z
 from dashboard.diagnosis.detectors.gpu import gpu_state
-from dashboard.diagnosis.detectors.window import RunInfo, Window
+from dashboard.diagnosis.detectors.window import RankInfo, RunInfo, Window
+
+_NO_RANK = RankInfo(None, None, {})
 
 
 @dataclass
@@ -69,7 +72,8 @@ def _persistent(flags: np.ndarray, present: np.ndarray, recent: int, persist: in
 
 # -- late ranks ------------------------------------------------------------------------------------------------
 
-def late_ranks(w: Window, t: Thresholds) -> list[Detection]:
+def late_ranks(w: Window, t: Thresholds, named: dict[str, set[int]] | None = None) -> list[Detection]:
+    """``named``: run -> ranks already named within their process group (:mod:`.groups`)."""
     out: list[Detection] = []
     for ri in range(len(w.runs)):
         rs = run_steps(w, ri, ("data_wait_s", "compute_s", "comm_arrive_s", "comm_s"), t.recent_steps + 3)
@@ -77,11 +81,30 @@ def late_ranks(w: Window, t: Thresholds) -> list[Detection]:
             if rs is not None:
                 out += _run_starved(w, rs, t)
             continue
-        out += _late_in_run(w, rs, t) or _run_starved(w, rs, t)
+        out += _late_in_run(w, rs, t, (named or {}).get(rs.run.name)) or _run_starved(w, rs, t)
     return out
 
 
-def _late_in_run(w: Window, rs: RunSteps, t: Thresholds) -> list[Detection]:
+def _low_ref(x: np.ndarray, floor: float | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(z, reference) per step against the *lower* ranks: the 25th percentile as the centre and the spread of the
+    ranks at or below the median. When a quarter to a half of the ranks are slow together (the ranks of one node, a
+    shard of slow files) the median and MAD sit between the two groups and no one is an outlier; the lower half is
+    still the healthy majority's picture."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ref = np.nanpercentile(x, 25, axis=0, keepdims=True)
+        low = np.where(x <= np.nanmedian(x, axis=0, keepdims=True), x, np.nan)
+        mad = np.nanmedian(np.abs(low - ref), axis=0, keepdims=True) * 1.4826
+        scale = np.maximum(mad, floor)
+        scale = np.where(scale > 0, scale, np.nan)
+        return (x - ref) / scale, ref
+
+
+def _late_in_run(w: Window, rs: RunSteps, t: Thresholds, skip: set[int] | None = None) -> list[Detection]:
+    """Each late rank named from its own data wait / compute. Two references: the cross-rank median (one culprit
+    among many) and the lower ranks (:func:`_low_ref`: several culprits at once). When nearly every rank is flagged
+    (``run_wide_frac``) nobody is late against anybody: that is the run-wide finding's case, not a rank's.
+    ``skip``: ranks another detector already named (within their process group)."""
     m, med_step = rs.m, rs.step_med
     data, comp = m["data_wait_s"], m["compute_s"]
     arrive = np.where(np.isnan(m["comm_arrive_s"]), data + comp, m["comm_arrive_s"])
@@ -93,16 +116,37 @@ def _late_in_run(w: Window, rs: RunSteps, t: Thresholds) -> list[Detection]:
         starved = (dz > t.z) & (data / m["step_time_s"] >= t.data_share_min)
         cz, cmed = robust_z(comp, 0, floor=0.01 * np.nanmedian(comp))
         slow = (cz > t.z) & (comp >= t.compute_ratio_min * cmed)
-    flags = np.nan_to_num(late | starved | slow, nan=0).astype(bool) & present
+        # Several at once: against the lower ranks, with the same minimum sizes (and lateness in absolute terms).
+        dlz, dref = _low_ref(data, 0.005 * med_step)
+        starved_low = (dlz > t.z) & (data / m["step_time_s"] >= t.data_share_min) & \
+            (data - dref > t.late_min_frac * med_step)
+        clz, cref = _low_ref(comp, 0.01 * np.nanmedian(comp))
+        slow_low = (clz > t.z) & (comp >= t.compute_ratio_min * cref) & (comp - cref > t.late_min_frac * med_step)
+    flags = np.nan_to_num(late | starved | slow | starved_low | slow_low, nan=0).astype(bool) & present
+    culprits = [int(i) for i in np.nonzero(_persistent(flags, present, t.recent_steps, t.persist_steps))[0]]
+    if not culprits or len(culprits) >= t.run_wide_frac * len(rs.ranks):
+        return []
+    peers = np.setdiff1d(np.arange(len(rs.ranks)), culprits)
     out = []
-    for i in np.nonzero(_persistent(flags, present, t.recent_steps, t.persist_steps))[0]:
+    for i in culprits:
+        if skip and int(rs.ranks[i]) in skip:
+            continue
         cols = np.nonzero(flags[i])[0]
-        ddata = float(np.nansum(data[i, cols] - dmed[0, cols]))
-        dcomp = float(np.nansum(comp[i, cols] - cmed[0, cols]))
-        z = float(np.nanmax(np.nan_to_num(np.vstack([lz[i, cols], dz[i, cols], cz[i, cols]]), nan=0)))
+        dbase = np.nanmedian(data[peers][:, cols], axis=0) if len(peers) else dmed[0, cols]
+        cbase = np.nanmedian(comp[peers][:, cols], axis=0) if len(peers) else cmed[0, cols]
+        ddata = float(np.nansum(data[i, cols] - dbase))
+        dcomp = float(np.nansum(comp[i, cols] - cbase))
+        z = float(np.nanmax(np.nan_to_num(np.vstack([lz[i, cols], dz[i, cols], cz[i, cols], dlz[i, cols],
+                                                     clz[i, cols]]), nan=0)))
         kind = "data_starvation" if ddata >= dcomp else "straggler"
         build = _starved_rank if kind == "data_starvation" else _straggler_rank
-        out.append(build(w, rs, i, cols, z, t))
+        d = build(w, rs, i, cols, z, t, peers)
+        if len(culprits) > 1:  # the set, so a person sees "the ranks of node-002" at once
+            d.evidence["metrics"]["co_culprits"] = [
+                {"rank": int(rs.ranks[j]), "node": (rs.run.ranks.get(int(rs.ranks[j])) or _NO_RANK).node}
+                for j in culprits if j != i][:32]
+            d.evidence["metrics"]["culprits"] = f"{len(culprits)}/{len(rs.ranks)}"
+        out.append(d)
     return out
 
 
@@ -125,12 +169,19 @@ def _confidence(z: float, flagged: int, recent: int) -> float:
     return round(min(0.99, 0.55 + 0.05 * min(z, 8.0)) * min(1.0, 0.6 + 0.1 * flagged), 2) if recent else 0.5
 
 
-def _starved_rank(w: Window, rs: RunSteps, i: int, cols: np.ndarray, z: float, t: Thresholds) -> Detection:
+def _others(rs: RunSteps, col: str, cols: np.ndarray, peers: np.ndarray | None) -> float:
+    """The median of the ranks that are not culprits (all ranks when there is no such set)."""
+    mat = rs.m[col][peers] if peers is not None and len(peers) else rs.m[col]
+    return float(np.nanmedian(mat[:, cols]))
+
+
+def _starved_rank(w: Window, rs: RunSteps, i: int, cols: np.ndarray, z: float, t: Thresholds,
+                  peers: np.ndarray | None = None) -> Detection:
     rank = int(rs.ranks[i])
     info = rs.run.ranks.get(rank)
     data, step = rs.m["data_wait_s"][i, cols], rs.m["step_time_s"][i, cols]
     share = float(np.nanmedian(data / step))
-    others = float(np.nanmedian(rs.m["data_wait_s"][:, cols]))
+    others = _others(rs, "data_wait_s", cols, peers)
     metrics: dict[str, Any] = {"data_wait_s": rnd(np.nanmedian(data)), "data_wait_share": rnd(share),
                                "median_data_wait_s": rnd(others), "z": rnd(z, 1),
                                "steps_flagged": f"{len(cols)}/{min(t.recent_steps, rs.m['ts'].shape[1])}"}
@@ -141,7 +192,8 @@ def _starved_rank(w: Window, rs: RunSteps, i: int, cols: np.ndarray, z: float, t
     sev = "error" if share >= 0.25 else "warning"
     return Detection(
         "data_starvation", "rank", _rank_subject(rs.run.name, rank), sev,
-        f"Rank {rank} waits {share:.0%} of each step for data",
+        f"Rank {rank} waits {share:.0%} of each step for data ({np.nanmedian(data) * 1e3:.0f} ms; the other ranks "
+        f"{others * 1e3:.0f} ms)",
         _starvation_action(rank, share, dl, nfs, cpu),
         {"metrics": metrics, "window": _window(rs), "series": {"data_wait_s": _series(rs, i, "data_wait_s")}},
         _confidence(z, len(cols), t.recent_steps), node=info.node if info else None,
@@ -191,11 +243,12 @@ def _starvation_action(rank: int, share: float, dl: dict[str, Any], nfs: dict[st
     return f"{head}; {', '.join(facts)} → {'; '.join(todo)}." if facts else f"{head} → {'; '.join(todo)}."
 
 
-def _straggler_rank(w: Window, rs: RunSteps, i: int, cols: np.ndarray, z: float, t: Thresholds) -> Detection:
+def _straggler_rank(w: Window, rs: RunSteps, i: int, cols: np.ndarray, z: float, t: Thresholds,
+                    peers: np.ndarray | None = None) -> Detection:
     rank = int(rs.ranks[i])
     info = rs.run.ranks.get(rank)
     comp = rs.m["compute_s"][i, cols]
-    med = float(np.nanmedian(rs.m["compute_s"][:, cols]))
+    med = _others(rs, "compute_s", cols, peers)
     slower = float(np.nanmedian(comp)) / med - 1 if med > 0 else float("nan")
     gpu = gpu_state(w, info.node, info.gpu) if info and info.node is not None and info.gpu is not None else None
     metrics = {"compute_s": rnd(np.nanmedian(comp)), "median_compute_s": rnd(med), "slower_frac": rnd(slower),
@@ -232,10 +285,15 @@ def _straggler_action(rank: int, gpu: dict[str, Any] | None) -> str:
 
 
 def _run_starved(w: Window, rs: RunSteps, t: Thresholds) -> list[Detection]:
-    with np.errstate(all="ignore"):
-        share = np.nanmedian(rs.m["data_wait_s"] / rs.m["step_time_s"], axis=0, keepdims=True)
+    """Run-wide only when nearly every rank starves (the share that ``run_wide_frac`` of the ranks reach): the mean
+    or median of two starving and two idle ranks is a number no rank has."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # steps without a data wait: all-NaN columns
+        shares = rs.m["data_wait_s"] / rs.m["step_time_s"]
+        share = np.nanmedian(shares, axis=0, keepdims=True)
+        most = np.nanpercentile(shares, 100 * (1 - t.run_wide_frac), axis=0, keepdims=True)
     present = ~np.isnan(share)
-    if not _persistent(np.nan_to_num(share >= t.run_starved_share, nan=0).astype(bool), present,
+    if not _persistent(np.nan_to_num(most >= t.run_starved_share, nan=0).astype(bool), present,
                        t.recent_steps, t.persist_steps)[0]:
         return []
     s = float(np.nanmedian(share[0, -t.recent_steps:]))
@@ -261,26 +319,49 @@ def memory_pressure(w: Window, t: Thresholds) -> list[Detection]:
             continue
         with np.errstate(all="ignore"):
             frac = rs.m["mem_allocated_bytes"] / rs.m["mem_total_bytes"]
+            reserved = rs.m["mem_reserved_bytes"] / rs.m["mem_total_bytes"]
         present = ~np.isnan(frac)
-        hot = _persistent(np.nan_to_num(frac >= t.mem_warn, nan=0).astype(bool), present, t.recent_steps,
-                          t.persist_steps)
+        # Reserved at the very top is near-OOM too: the next allocation that does not fit a cached block fails.
+        near = (frac >= t.mem_warn) | (reserved >= t.mem_reserved_full)
+        hot = _persistent(np.nan_to_num(near, nan=0).astype(bool), present, t.recent_steps, t.persist_steps)
         for i in np.nonzero(hot)[0]:
             rank = int(rs.ranks[i])
             info = run.ranks.get(rank)
             last = int(np.nonzero(present[i])[0][-1])
             f, res = float(frac[i, last]), rs.m["mem_reserved_bytes"][i, last] / rs.m["mem_total_bytes"][i, last]
             gib = rs.m["mem_total_bytes"][i, last] / 2**30
+            layout = (info.meta.get("layout") if info else None) or {}
             out.append(Detection(
                 "memory_pressure", "rank", _rank_subject(run.name, rank), "error" if f >= t.mem_error else "warning",
-                f"Rank {rank} holds {f:.0%} of its GPU's memory ({gib:.0f} GiB): near out-of-memory",
-                f"Rank {rank} has {f:.0%} allocated and {res:.0%} reserved → reduce the micro-batch or sequence length, "
-                "enable activation checkpointing, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against "
-                "fragmentation; if it keeps growing step after step, look for tensors kept across steps (a leak).",
-                {"metrics": {"allocated_frac": rnd(f), "reserved_frac": rnd(res)}, "window": _window(rs),
+                f"Rank {rank} holds {max(f, res):.0%} of its GPU's memory ({gib:.0f} GiB): near out-of-memory",
+                f"Rank {rank} has {f:.0%} allocated and {res:.0%} reserved → {memory_advice(layout)}; or set "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation; if it keeps growing step "
+                "after step, look for tensors kept across steps (a leak).",
+                {"metrics": {"allocated_frac": rnd(f), "reserved_frac": rnd(res), "layout": layout or None},
+                 "window": _window(rs),
                  "series": {"allocated_frac": {"step": rs.steps.astype(int).tolist(),
                                                "rank": [rnd(v) for v in frac[i]]}}},
                 0.95, node=info.node if info else None, gpu_index=info.gpu if info else None, rank=rank, run=run.name))
     return out
+
+
+def memory_advice(layout: dict[str, Any]) -> str:
+    """What frees memory that the run's layout does not use yet, cheapest first (an unknown layout gets them all)."""
+    todo = []
+    if not layout.get("activation_checkpointing"):
+        todo.append("enable activation checkpointing (recompute activations in the backward pass)")
+    mb, ga = layout.get("micro_batch"), layout.get("grad_accum") or 1
+    if mb is None or mb > 1:
+        todo.append(f"halve the micro-batch ({mb}→{mb // 2}) and double gradient accumulation ({ga}→{2 * ga}): "
+                    "the same global batch" if mb else "a smaller micro-batch with more gradient accumulation")
+    zero = layout.get("zero_stage")
+    if zero is None or zero < 3:
+        now = f" (now stage {zero})" if zero is not None else ""
+        todo.append(f"shard parameters, gradients and optimizer state: ZeRO-3 / FSDP FULL_SHARD{now}")
+    if not layout.get("offload"):
+        todo.append("offload optimizer state (and parameters) to the CPU")
+    return "; ".join(todo) if todo else "the layout already uses checkpointing, ZeRO-3 and offload: reduce the " \
+        "sequence length or the model per GPU (more tensor / pipeline parallelism)"
 
 
 # -- hang --------------------------------------------------------------------------------------------------------

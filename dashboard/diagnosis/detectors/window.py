@@ -19,6 +19,7 @@ import numpy as np
 # Row layouts: numeric columns first (floats, NaN for null), then object columns (lists, dicts, strings).
 STEP_NUM = ("run", "rank", "step", "ts", "step_time_s", "data_wait_s", "compute_s", "comm_s", "comm_arrive_s",
             "tokens", "mem_allocated_bytes", "mem_reserved_bytes", "mem_total_bytes")
+STEP_OBJ = ("groups",)  # per process group timings (wire GroupTiming dicts), None where the hooks sent none
 GPU_NUM = ("node", "gpu", "ts", "util_gpu_pct", "sm_clock_mhz", "sm_clock_max_mhz", "temp_c", "power_w",
            "power_limit_w", "ecc_sbe_volatile", "ecc_dbe_volatile", "retired_pages_pending", "remap_pending",
            "remap_failure", "remap_uncorrectable", "pcie_replay_total", "pcie_gen", "pcie_gen_max", "pcie_width",
@@ -35,6 +36,7 @@ PROBE_NUM = ("node", "peer", "ts", "sent", "lost", "rtt_ms", "bw_gbps")
 # a pass (one row per rank and step), so no more than that is read.
 SPANS = {"gpus": 20.0, "ports": 20.0, "probes": 15.0, "hosts": 10.0, "events": 120.0, "checkpoints": 6 * 3600.0}
 STEP_SPAN = 18
+LOSS_SPAN = 256  # steps of loss history per run: a spike is judged against the run's own recent loss
 
 
 class Table:
@@ -109,6 +111,12 @@ class Window:
     # The NCCL events that are state of the active runs (the transport, network, fallback its ranks reported), over
     # the runs' lifetime rather than the event window: a socket fallback holds until the ranks report another one.
     nccl_state: list[dict[str, Any]] = field(default_factory=list)
+    # host -> (rack, switch) where known ("" for an unknown part): the path detector names a leaf switch from it.
+    places: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # "ib", "roce" or "eth" (``interconnect`` says only what NCCL should use, and RoCE is "ib" there); "" = unknown.
+    fabric: str = ""
+    # run name -> [n x 3] (step, ts, loss), oldest first: one value per step (rank 0's, or the lowest reporting rank)
+    losses: dict[str, np.ndarray] = field(default_factory=dict)
 
     def node_index(self) -> dict[str, int]:
         return {h: i for i, h in enumerate(self.nodes)}

@@ -34,7 +34,7 @@ from dashboard.diagnosis.models import Finding
 from dashboard.telemetry.models import Cluster, HostSample, Node, Probe
 from dashboard.web.access import BadRequest, api, cluster_or_404
 from dashboard.web.links import link_url, node_url
-from dashboard.web.series import Epoch, TimeRange, downsample, in_range, parse_range
+from dashboard.web.series import Epoch, TimeRange, downsample, downsample_tiered, in_range, parse_range, tiered
 
 # A pair's median over the range is the median of its per-bucket means over this many buckets: the database
 # returns pairs x buckets rows (not one per probe), and a transient spike in one bucket does not move the median.
@@ -259,8 +259,9 @@ def link_series_data(cluster: Cluster, a: str, b: str, tr: TimeRange, t: Thresho
     t = t or _thresholds()
     ea, eb = _pair_or_404(cluster, a, b)
     ids = [e["node"].id for e in (ea, eb) if e["node"] is not None]
-    cpu_qs = HostSample.objects.filter(cluster=cluster, node_id__in=ids)
-    cpu = downsample(cpu_qs, tr, ["cpu_pct"], by=["node_id"])
+    # The hosts' CPU from the tier the range needs: a week's link history outlives the raw host rows (hot window).
+    cpu_tr = tiered(tr)
+    cpu = downsample_tiered(HostSample, {"cluster": cluster, "node_id__in": ids}, cpu_tr, ["cpu_pct"], by=["node_id"])
     findings = (Finding.objects.filter(cluster=cluster, state=Finding.State.OPEN)
                 .filter(Q(node_id__in=ids) | Q(peer_node_id__in=ids)).select_related("cluster", "node", "peer_node")
                 .order_by("-updated_at")[:50])
@@ -269,6 +270,7 @@ def link_series_data(cluster: Cluster, a: str, b: str, tr: TimeRange, t: Thresho
         "a": {"host": a, "url": ea["url"]}, "b": {"host": b, "url": eb["url"]},
         "directions": [_direction(cluster, ea, eb, tr), _direction(cluster, eb, ea, tr)],
         "cpu": {e["host"]: cpu.get(str(e["node"].id), {}) for e in (ea, eb) if e["node"] is not None},
+        "cpu_range": cpu_tr.as_dict(),
         "thresholds": _baseline(cluster, tr, t),
         "findings": [{**finding_row(f), "peer": f.peer_node.hostname if f.peer_node_id else None} for f in findings],
     }
@@ -369,7 +371,8 @@ OPENAPI: dict[str, Any] = {
         "description": (
             "`directions[0]` is a→b, `directions[1]` b→a; each `series` is `{t, rtt_ms, rtt_p99_ms, loss, bw_gbps}` "
             "with min / mean / max per bucket. `cpu`: host -> `{t, cpu_pct}` (user-space pings slow down on a busy "
-            "CPU). `thresholds`: the diagnosis's lines from the cluster's newest probes in the range (the span one "
+            "CPU), read from the storage tier its range needs; `cpu_range` says which (`tier`: `raw`, `10s`, `1m`) and "
+            "its `bucket_s`. `thresholds`: the diagnosis's lines from the cluster's newest probes in the range (the span one "
             "diagnosis pass reads). "
             "`findings`: open findings on either node or the pair."),
         "security": [{"session": []}],

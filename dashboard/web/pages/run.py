@@ -19,6 +19,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.urls import path, reverse
 
+from dashboard.diagnosis.efficiency import run_figures
 from dashboard.diagnosis.live import finding_row
 from dashboard.diagnosis.models import Finding
 from dashboard.live.state import get_state
@@ -104,10 +105,13 @@ def steps_api(request: HttpRequest, run_id: int) -> dict[str, Any]:
     bounds = series.step_bounds(run, rank)
     if rng is None or bounds is None:
         return {"run": run.id, "rank": rank, "first_step": None, "last_step": None, "bucket_steps": 1, "step": [],
-                "efficiency": None}
+                "efficiency": None, "run_efficiency": None, "loss_spikes": []}
     body = series.step_series(run, rng[0], rng[1], points, rank)
     body |= {"first_step": bounds[0], "last_step": bounds[1],
-             "efficiency": series.current_efficiency(run) if rank is None else None}
+             "efficiency": series.current_efficiency(run) if rank is None else None,
+             # goodput and MFU over the whole run, as the diagnosis pass stored them (None until its first pass)
+             "run_efficiency": run_figures(run) if rank is None else None,
+             "loss_spikes": series.loss_spikes(run, rng[0], rng[1]) if rank is None else []}
     return body
 
 

@@ -58,7 +58,16 @@ OPENAPI: dict[str, Any] = {
                                    "steps, as the diagnosis computes it (needs flops_per_token and peak_flops)"},
                            "goodput": _NUMS,
                            "efficiency": {"type": ["object", "null"], "description": "tokens_per_s, mfu, goodput, "
-                                          "median_step_s over the run's last 16 steps"}}}), bad=True),
+                                          "median_step_s over the run's last 16 steps"},
+                           "mfu_step": {**_NUMS, "description": "mean over the bucket of each step's MFU as the "
+                                        "diagnosis stored it (StepEfficiency)"},
+                           "run_efficiency": {"type": ["object", "null"], "description": "the whole run, as stored "
+                                              "by the diagnosis: goodput, mfu, tokens_per_s, wall_s, productive_s, "
+                                              "lost_s {stall, checkpoint, restart, replayed}, restarts, through_step "
+                                              "(docs/diagnosis.md, MFU and goodput)"},
+                           "loss_spikes": {"type": "array", "items": {
+                               "type": "object", "description": "step, loss, severity, title, url: a loss_spike "
+                               "finding in the range"}}}}), bad=True),
     "/api/v1/runs/{run_id}/heatmap": _get(
         "getRunHeatmap", "Rank x step heatmap of one metric: ranks ordered by node then local rank (a straggler is "
         "a stripe, a sick node a band), steps in at most 600 columns",
@@ -85,6 +94,9 @@ OPENAPI: dict[str, Any] = {
                             "env": {"type": "object", "description": "values: var -> {value, ranks, distinct, drift};"
                                     " drift: [{rank, url, host, node_url, gpu, gpu_url, key, value, majority}]"},
                             "dataloader": {"type": "object", "description": "values, deviations"},
+                            "layout": {"type": "object", "description": "the parallel layout (RunMeta.layout: "
+                                       "strategy, mesh, zero_stage, offload, activation_checkpointing, grad_accum, "
+                                       "micro_batch...): values, deviations (mesh coordinates are not drift)"},
                             "versions": {"type": "object", "description": "values, deviations"}}})),
     "/api/v1/runs/{run_id}/nccl": _get(
         "getRunNccl", "NCCL per node (transports, network, GDR from its NCCL logs; env flags) and warnings",

@@ -17,8 +17,9 @@ from django.db.models.functions import Cast
 
 from dashboard.diagnosis.detectors.steps import efficiency_figures
 from dashboard.diagnosis.detectors.window import GPU_NUM, PORT_NUM, PROBE_NUM, STEP_NUM, RunInfo, Table, Window
+from dashboard.diagnosis.models import Finding, StepEfficiency
 from dashboard.telemetry.models import Rank, Run, StepSample
-from dashboard.web.links import node_url, rank_url
+from dashboard.web.links import finding_url, node_url, rank_url
 
 SPLIT = ("step_time_s", "data_wait_s", "compute_s", "comm_s")
 HEATMAP_METRICS = ("compute_s", "data_wait_s", "comm_arrive_s", "step_time_s")
@@ -97,7 +98,7 @@ def step_series(run: Run, lo: int, hi: int, points: int, rank: int | None = None
                            "step": [], "step_end": [], "slowest_step": [], "ts": [], "ranks": []}
     for f in (*SPLIT, "tokens_per_s"):
         out[f] = {"min": [], "mean": [], "max": []}
-    for key in ("loss", "grad_norm", "mfu", "goodput"):
+    for key in ("loss", "grad_norm", "mfu", "goodput", "mfu_step"):
         out[key] = []
     if len(s["step"]) == 0:
         return out
@@ -105,6 +106,7 @@ def step_series(run: Run, lo: int, hi: int, points: int, rank: int | None = None
         step_mean = s["step_time_s__sum"] / s["step_time_s__n"]
         # tokens/s of a step: every rank's tokens over the step's time (under DDP all ranks share one step time)
         tps = s["tokens"] / step_mean
+    stored = _stored_mfu(run, lo, hi) if rank is None else {}
     bucket = ((s["step"] - lo) // width).astype(int)
     starts = np.flatnonzero(np.r_[True, np.diff(bucket) != 0])
     ends = np.r_[starts[1:], len(bucket)]
@@ -130,8 +132,28 @@ def step_series(run: Run, lo: int, hi: int, points: int, rank: int | None = None
         fig = None if per_rank else _efficiency(run, {k: v[max(a, b - EFFICIENCY_STEPS):b] for k, v in s.items()},
                                                 world)
         out["mfu"].append(fig["mfu"] if fig else None)
+        v = [stored[k] for k in s["step"][sl] if k in stored]
+        out["mfu_step"].append(_r(float(np.mean(v)), 5) if v else None)
         out["goodput"].append(fig["goodput"] if fig else None)
     return out
+
+
+def _stored_mfu(run: Run, lo: int, hi: int) -> dict[float, float]:
+    """step -> MFU the diagnosis pass stored for it (StepEfficiency)."""
+    return {float(s): v for s, v in StepEfficiency.objects.filter(run=run, step__gte=lo, step__lte=hi,
+                                                                  mfu__isnull=False).values_list("step", "mfu")}
+
+
+def loss_spikes(run: Run, lo: int, hi: int) -> list[dict[str, Any]]:
+    """The loss spikes the diagnosis found in steps lo..hi (open or resolved), for marking on the loss chart."""
+    out = []
+    for f in (Finding.objects.filter(run=run, kind="loss_spike").order_by("-opened_at")
+              .values("id", "severity", "title", "evidence")[:200]):
+        m = (f["evidence"] or {}).get("metrics") or {}
+        if m.get("step") is not None and lo <= m["step"] <= hi:
+            out.append({"step": m["step"], "loss": m.get("loss"), "severity": f["severity"], "title": f["title"],
+                        "url": finding_url(f["id"])})
+    return sorted(out, key=lambda x: x["step"])
 
 
 def current_efficiency(run: Run) -> dict[str, Any] | None:

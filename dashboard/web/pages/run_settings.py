@@ -14,6 +14,7 @@ from django.db.models import Q
 
 from dashboard.diagnosis.detectors.nccl import IGNORED, _drift
 from dashboard.diagnosis.detectors.window import RankInfo, RunInfo
+from dashboard.telemetry import interconnect
 from dashboard.telemetry.models import Event, Rank, Run
 from dashboard.web.links import gpu_url, node_url, rank_url
 
@@ -90,7 +91,24 @@ def run_settings(run: Run) -> dict[str, Any]:
         "parallel": meta.get("parallel") or {}, "versions_majority": meta.get("versions") or {},
         "env": _env(run, ranks), "dataloader": _majority(run, ranks, "dataloader"),
         "versions": _majority(run, ranks, "versions"), "parallel_ranks": _majority(run, ranks, "parallel"),
+        "layout": _layout(run, ranks),
     }
+
+
+def _layout(run: Run, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The parallel layout the hooks found (strategy, mesh, ZeRO stage, offload, checkpointing, batch), as the
+    majority reported it; each rank's own mesh coordinates are not a drift."""
+    sec = _majority(run, ranks, "layout")
+    sec["values"].pop("coords", None)
+    sec["deviations"] = [d for d in sec["deviations"] if d["key"] != "coords"]
+    sec["deviating"] = len(sec["deviations"])
+    mesh = sec["values"].get("mesh")
+    if mesh:  # "dp=2 × tp=4", not a dict's repr
+        real = next((r["meta"]["layout"]["mesh"] for r in ranks
+                     if _hashable(((r["meta"] or {}).get("layout") or {}).get("mesh")) == mesh["value"]), None)
+        if isinstance(real, dict):
+            mesh["value"] = " × ".join(f"{k}={v}" for k, v in real.items())
+    return sec
 
 
 # -- NCCL panel --------------------------------------------------------------------------------------------------
@@ -140,7 +158,7 @@ def nccl_panel(run: Run) -> dict[str, Any]:
               **{k: sorted(row[k]) for k in ("transports", "networks", "gdr", "env", "facts")},
               "suspect": _suspect(row)} for row in per.values()]
     nodes.sort(key=lambda n: (not n["suspect"], -n["warnings"], n["host"]))
-    return {"run": run.id, "interconnect": run.cluster.interconnect, "nodes": nodes, "warnings": warnings}
+    return {"run": run.id, "interconnect": interconnect.effective(run.cluster), "nodes": nodes, "warnings": warnings}
 
 
 def _suspect(row: dict[str, Any]) -> bool:

@@ -5,6 +5,7 @@ import {$, age, esc, fmt, getJSON, link, pageData, when} from "./lib/fmt.js";
 import {connectLive, drawLoop} from "./lib/live.js";
 import {CONFIG, layout, react as plot} from "./lib/chart.js";
 import {explainTables, timelineTraces} from "./run_explain.js";
+import {badges} from "./lib/attention.js";
 
 const P = pageData();
 const C = {data: "#e4572e", compute: "#29335c", comm: "#f3a712", other: "#a8c686", max: "#9d0208"};
@@ -129,9 +130,17 @@ function drawHistoryCharts() {
   if (!h || !h.mfu) return;  // a run without steps yet
   const pct = (a) => a.map((v) => (v === null ? null : 100 * v));
   const line = (name, y, color) => ({type: "scatter", mode: "lines", name, x: h.step, y, connectgaps: false, line: {color, width: 1.5}});
-  react("efficiency", [line("MFU", pct(h.mfu), "#2a9d8f"), line("goodput", pct(h.goodput), "#8d6a9f")],
+  // MFU per step as the pass stored it; before its first pass, the figure computed over each bucket's last steps
+  const mfu = (h.mfu_step || []).some((v) => v !== null) ? h.mfu_step : h.mfu;
+  react("efficiency", [line("MFU", pct(mfu), "#2a9d8f"), {...line("goodput (16 steps)", pct(h.goodput), "#8d6a9f"), line: {color: "#8d6a9f", width: 1, dash: "dot"}}],
     layout({uirevision: "eff", xaxis: {title: "step"}, yaxis: {title: "%", rangemode: "tozero"}}));
-  react("loss", [line("loss", h.loss, "#bc4749")], layout({uirevision: "loss", showlegend: false, xaxis: {title: "step"}, yaxis: {title: "loss"}}));
+  const spikes = h.loss_spikes || [];
+  const sevColor = {info: "#6c757d", warning: "#f3a712", error: "#d00000", critical: "#9d0208"};
+  react("loss", [line("loss", h.loss, "#bc4749"), {type: "scatter", mode: "markers", name: "spike", x: spikes.map((s) => s.step),
+    y: spikes.map((s) => s.loss), text: spikes.map((s) => s.title), customdata: spikes.map((s) => s.url), hovertemplate: "%{text}<extra></extra>",
+    marker: {symbol: "x", size: 11, color: spikes.map((s) => sevColor[s.severity] || "#d00000")}}],
+  layout({uirevision: "loss", showlegend: false, hovermode: "closest", xaxis: {title: "step"}, yaxis: {title: "loss"}}));
+  document.body.dataset.lossSpikes = String(spikes.length);
   react("gradnorm", [line("grad norm", h.grad_norm, "#669bbc")],
     layout({uirevision: "gn", showlegend: false, xaxis: {title: "step"}, yaxis: {title: "grad norm"}}));
 }
@@ -159,6 +168,17 @@ function drawKpis(s) {
     $("kpi-mfu").textContent = eff.mfu === null ? "–" : fmt(100 * eff.mfu, 1) + "%";
     $("kpi-goodput").textContent = eff.goodput === null ? "–" : fmt(100 * eff.goodput, 0) + "%";
   }
+  drawGoodput(history && history.run_efficiency);
+}
+
+// Goodput over the whole run, with where the rest of the wall time went (the pass's accounting).
+function drawGoodput(g) {
+  if (!g || g.goodput === null) return;
+  $("kpi-goodput").textContent = fmt(100 * g.goodput, 1) + "%";
+  const lost = Object.entries(g.lost_s || {}).filter(([, v]) => v).map(([k, v]) => `${k} ${dur(v)}`);
+  $("goodput-detail").textContent = `Goodput ${fmt(100 * g.goodput, 1)}%: ${dur(g.productive_s)} productive of ${dur(g.wall_s)} wall time` +
+    (lost.length ? ` · lost: ${lost.join(", ")}` : " · nothing lost") + (g.restarts ? ` · ${g.restarts} restart(s)` : "") +
+    (g.mfu !== null ? ` · MFU over the run ${fmt(100 * g.mfu, 1)}%` : "") + ` · through step ${g.through_step}`;
 }
 
 async function loadHistory() {
@@ -238,7 +258,7 @@ function drawLists() {
     || '<li class="muted">No warnings.</li>';
   const sorted = [...findings].sort((a, b) => b.updated_at - a.updated_at);
   $("findings").innerHTML = sorted.map((f) => `<li class="sev-${esc(f.severity)}"><span class="sev ${esc(f.severity)}">${esc(f.severity)}</span>
-    ${link(f.url, f.title)}<br><span class="muted">${link(f.subject_url, f.subject)} · open ${esc(age(f.opened_at))}</span><br>${esc(f.action || "")}</li>`).join("")
+    ${link(f.url, f.title)} ${badges(f)}<br><span class="muted">${link(f.subject_url, f.subject)} · open ${esc(age(f.opened_at))}</span><br>${esc(f.action || "")}</li>`).join("")
     || '<li class="muted">None open.</li>';
 }
 
@@ -262,8 +282,21 @@ function deviationTable(rows, total, what) {
     (total > rows.length ? `<p class="muted">and ${total - rows.length} more</p>` : "");
 }
 
+const dur = (s) => (s === null || s === undefined ? "–" : s >= 3600 ? fmt(s / 3600, 1) + " h" : s >= 60 ? fmt(s / 60, 1) + " min" : fmt(s, 1) + " s");
+
+function drawLayout(sec) {
+  const names = {strategy: "strategy", mesh: "device mesh", zero_stage: "ZeRO stage", offload: "offload", activation_checkpointing: "activation checkpointing",
+    grad_accum: "gradient accumulation", micro_batch: "micro-batch", sharding: "FSDP sharding", pp_schedule: "pipeline schedule", pp_microbatches: "pipeline micro-batches"};
+  const show = (v) => (v === true ? "on" : v === false ? "off" : v);
+  const rows = Object.entries(sec.values).map(([k, v]) => `<tr class="${v.distinct > 1 ? "drift" : ""}"><th>${esc(names[k] || k)}</th>
+    <td>${esc(v.value === null || v.value === undefined ? "(unset)" : show(v.value))}</td><td class="num">${v.ranks}/${sec.ranks}</td></tr>`).join("");
+  $("layout").innerHTML = rows ? `<table class="data layout"><tr><th></th><th>majority</th><th class="num">ranks</th></tr>${rows}</table>
+    ${deviationTable(sec.deviations, sec.deviating, "layout")}` : '<p class="muted">Not reported (hooks older than the layout, or a single process).</p>';
+}
+
 async function loadSettings() {
   const s = await getJSON(P.api.settings);
+  if (s.layout) drawLayout(s.layout);
   const w = s.run_wide;
   const head = {"world size": s.world_size, "ranks reporting": s.ranks_reporting, nodes: s.nodes, dtype: w.dtype,
     parameters: w.params ? (w.params / 1e9).toFixed(2) + " B" : null, "FLOPs per token": w.flops_per_token ? w.flops_per_token.toExponential(3) : null,

@@ -1,0 +1,284 @@
+"""Where in the fabric a slow network is, Pingmesh-style: one path, or one leaf switch / rack uplink.
+
+The probes form a mesh of pairs. A fault shows as a *pattern* of bad pairs, and the pattern names the layer:
+
+* one pair bad while both of its ends are fine with everyone else → the **path** between them (an ECMP route over a
+  bad spine link, a mis-set route or MTU on one hop): a ``slow_link`` on the link ``a~b``;
+* most pairs of one node bad → the **node** (its NIC, cable, port): :func:`network.slow_links` names it;
+* the pairs that leave one rack bad while the pairs inside it are fine → the rack's **leaf switch uplink**: a
+  ``slow_link`` on that switch (or rack, where only racks are known). With two racks only, or when every rack's
+  cross pairs are bad, no one leaf can be told from the others: the uplinks between them / the spine are named.
+
+A pair is judged on its newest few probes (either direction), so one late ping does not name a path; the RTT bar is
+the one :mod:`network` uses (a multiple of the cluster's quiet RTT and an absolute margin, a wider one when either
+end's CPU is saturated, since user-space pings then wait for the scheduler). Pure numpy, no Django.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dashboard.diagnosis.detectors.base import Detection, Thresholds, rnd
+from dashboard.diagnosis.detectors.network import report_intervals
+from dashboard.diagnosis.detectors.window import Window
+
+
+@dataclass
+class Pairs:
+    """The mesh as unordered pairs: ends, how many of their newest probes were bad, and their rows."""
+
+    a: np.ndarray  # node index of the lower end
+    b: np.ndarray
+    recent: np.ndarray  # newest probes looked at (<= t.link_buckets)
+    bad: np.ndarray  # how many of them were bad
+    rounds: np.ndarray  # distinct probe seconds among them
+    kept: np.ndarray  # probe rows (into w.probes) of those newest probes, all pairs together ...
+    kept_pair: np.ndarray  # ... and the pair each belongs to
+    baseline_rtt_ms: float
+
+    def rows(self, which: np.ndarray | int) -> np.ndarray:
+        """Probe rows of the newest probes of pair(s) ``which``."""
+        return self.kept[np.isin(self.kept_pair, np.atleast_1d(which))]
+
+    @property
+    def persistent(self) -> np.ndarray:
+        """Bad in every one of its newest probes, across at least two probe rounds."""
+        return (self.bad == self.recent) & (self.bad >= 2) & (self.rounds >= 2)
+
+    @property
+    def mostly_bad(self) -> np.ndarray:
+        return 2 * self.bad > self.recent
+
+
+def pairs(w: Window, t: Thresholds, skip: set[int]) -> Pairs | None:
+    p = w.probes
+    if not len(p):
+        return None
+    src, dst = p["node"], p["peer"]
+    use = (src >= 0) & (dst >= 0) & (src != dst)
+    for s in skip:
+        use &= (src != s) & (dst != s)
+    rows = np.nonzero(use)[0]
+    if not len(rows):
+        return None
+    rtt = p["rtt_ms"][rows]
+    busy = _busy(w, t)
+    either_busy = busy[src[rows].astype(int)] | busy[dst[rows].astype(int)]
+    with np.errstate(all="ignore"):
+        base = float(np.nanpercentile(rtt, 25)) if np.any(~np.isnan(rtt)) else float("nan")
+        slow = rtt > np.maximum(t.rtt_ratio * base, base + np.where(either_busy, t.rtt_busy_abs_ms, t.rtt_abs_ms))
+        lossy = p["lost"][rows] / p["sent"][rows] >= t.loss_frac
+    bad = np.nan_to_num(slow, nan=0).astype(bool) | np.nan_to_num(lossy, nan=0).astype(bool)
+    lo, hi = np.minimum(src[rows], dst[rows]), np.maximum(src[rows], dst[rows])
+    key = lo * (len(w.nodes) + 1) + hi
+    ts = p["ts"][rows]
+    order = np.lexsort((-ts, key))  # per pair, newest first
+    key, ts, bad, rows, lo, hi = key[order], ts[order], bad[order], rows[order], lo[order], hi[order]
+    starts = np.r_[0, np.nonzero(np.diff(key))[0] + 1]
+    gid = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(key)]))
+    # Each pair's newest k probes, in one pass over the sorted rows rather than a loop over pairs (2,048 nodes
+    # probing a dozen peers each are tens of thousands of pairs).
+    keep = np.arange(len(key)) - starts[gid] < max(1, t.link_buckets)
+    g, sec = gid[keep], np.floor(ts[keep])
+    recent = np.bincount(g, minlength=len(starts))
+    nbad = np.bincount(g, weights=bad[keep].astype(float), minlength=len(starts)).astype(int)
+    order = np.lexsort((sec, g))
+    g_sorted, sec_sorted = g[order], sec[order]
+    first = np.r_[True, (g_sorted[1:] != g_sorted[:-1]) | (sec_sorted[1:] != sec_sorted[:-1])]
+    rounds = np.bincount(g_sorted[first], minlength=len(starts))
+    return Pairs(lo[starts].astype(int), hi[starts].astype(int), recent, nbad, rounds, rows[keep], g, base)
+
+
+def _busy(w: Window, t: Thresholds) -> np.ndarray:
+    busy = np.zeros(len(w.nodes) + 1, dtype=bool)
+    for i, host in enumerate(w.nodes):
+        cpu = (w.hosts.get(host) or {}).get("cpu_pct")
+        busy[i] = cpu is not None and cpu >= t.busy_cpu_pct
+    return busy
+
+
+def groups_of(w: Window) -> tuple[str | None, dict[int, str]]:
+    """(what the groups are, "switch" or "rack" or None; node index -> its group): by leaf switch when any node has
+    one (the switch is what a cross-rack pair leaves through), else by rack."""
+    places = w.places
+    by = "switch" if any(s for _, s in places.values()) else "rack" if any(r for r, _ in places.values()) else None
+    if by is None:
+        return None, {}
+    index = w.node_index()
+    at = 1 if by == "switch" else 0
+    return by, {index[h]: v[at] for h, v in places.items() if h in index and v[at]}
+
+
+def slow_paths(w: Window, t: Thresholds, down: set[str]) -> list[Detection]:
+    """The slow switches first (their nodes and cross pairs are theirs), then single slow paths."""
+    index = w.node_index()
+    intervals = report_intervals(w)
+    # A node gone quiet is about to be named down; its lost probes are not a slow path (as in network.slow_links).
+    quiet = {h for h, heard in w.last_heard.items() if w.now - heard > 1.5 * intervals.get(index.get(h, -1), 1.0)}
+    mesh = pairs(w, t, {index[h] for h in down | quiet if h in index})
+    if mesh is None:
+        return []
+    out = _switches(w, t, mesh)
+    taken = covered_nodes(out)
+    out += _paths(w, t, mesh, {index[h] for h in taken if h in index})
+    return out
+
+
+def covered_nodes(detections: list[Detection]) -> set[str]:
+    """Nodes whose slowness a switch finding explains: the node rule leaves them alone."""
+    return {h for d in detections if d.subject_type == "switch" for h in d.evidence["metrics"].get("nodes", [])}
+
+
+# -- one path --------------------------------------------------------------------------------------------------------
+
+def _paths(w: Window, t: Thresholds, mesh: Pairs, skip: set[int]) -> list[Detection]:
+    n = len(w.nodes) + 1
+    mostly = mesh.mostly_bad
+    ends = np.concatenate([mesh.a, mesh.b])
+    pairs_per_node = np.bincount(ends, minlength=n)
+    bad_per_node = np.bincount(ends, weights=np.concatenate([mostly, mostly]).astype(float), minlength=n)
+    with np.errstate(all="ignore"):
+        bad_frac = bad_per_node / pairs_per_node
+    # An end is healthy when it is fine with someone else and with at least half of its other peers: a node bad
+    # with most of them is the node rule's (or, without topology, a leaf's, which would be a storm of paths here).
+    with np.errstate(all="ignore"):
+        others_bad = (bad_per_node - 1) / (pairs_per_node - 1)
+    healthy = (pairs_per_node - bad_per_node >= 1) & (np.nan_to_num(others_bad, nan=0.0) <= 0.5) & \
+        (np.nan_to_num(bad_frac, nan=1.0) < t.node_bad_frac)
+    out = []
+    for i in np.nonzero(mesh.persistent)[0]:
+        a, b = int(mesh.a[i]), int(mesh.b[i])
+        if a in skip or b in skip or not (healthy[a] and healthy[b]):
+            continue
+        out.append(_path_detection(w, mesh, i, {x: (int(pairs_per_node[x]), int(bad_per_node[x])) for x in (a, b)}))
+    return out
+
+
+def _path_detection(w: Window, mesh: Pairs, i: int, ends: dict[int, tuple[int, int]]) -> Detection:
+    p = w.probes
+    sel = mesh.rows(i)
+    a, b = sorted((w.nodes[int(mesh.a[i])], w.nodes[int(mesh.b[i])]))
+    rtt = _median(p["rtt_ms"][sel])
+    loss = float(np.nansum(p["lost"][sel]) / max(1.0, float(np.nansum(p["sent"][sel]))))
+    what = f"{loss:.0%} probe loss" if loss >= 0.2 else f"RTT {rtt:.2f} ms vs {mesh.baseline_rtt_ms:.2f} ms elsewhere"
+    others = {w.nodes[x]: {"pairs": n - 1, "bad": nb - 1} for x, (n, nb) in ends.items()}
+    fine = " and ".join(f"{h} is fine with {v['pairs'] - v['bad']} of its {v['pairs']} other peer(s)"
+                        for h, v in sorted(others.items()))
+    return Detection(
+        "slow_link", "link", f"{a}~{b}", "error", f"Slow path between {a} and {b}: {what}",
+        f"Only this pair is slow ({what}) while {fine}: neither node's NIC is at fault but the path between them → "
+        "check the route it takes: ECMP hashing onto a bad spine link or switch port (compare the switches' port "
+        "counters along it, ibdiagnet / ibtracert on InfiniBand, traceroute and the ECMP next hops on Ethernet), "
+        "a mis-set route or MTU on one hop, and the two switch ports' error counters.",
+        {"metrics": {"layer": "path", "rtt_ms": rnd(rtt), "baseline_rtt_ms": rnd(mesh.baseline_rtt_ms),
+                     "loss": rnd(loss), "bad_probes": int(mesh.bad[i]), "probes": int(mesh.recent[i]),
+                     "other_pairs": others},
+         "window": [rnd(np.nanmin(p["ts"][sel])), rnd(np.nanmax(p["ts"][sel]))],
+         "series": {"pairs": _pair_rows(w, sel)}},
+        0.85, node=a, peer_node=b)
+
+
+# -- a leaf switch or rack uplink -------------------------------------------------------------------------------------
+
+@dataclass
+class _Side:
+    group: str
+    nodes: list[int]
+    cross: np.ndarray  # pair positions with one end inside, one outside
+    inside: np.ndarray
+
+
+def _switches(w: Window, t: Thresholds, mesh: Pairs) -> list[Detection]:
+    by, group = groups_of(w)
+    if by is None:
+        return []
+    # Group names as integer codes (-1: no group), so each group's pairs are two integer comparisons.
+    names = sorted(set(group.values()))
+    code = np.full(len(w.nodes) + 1, -1)
+    for x, g in group.items():
+        code[x] = names.index(g)
+    ga, gb = code[mesh.a], code[mesh.b]
+    mostly = mesh.mostly_bad
+    sides, flagged = {}, []
+    for i, g in enumerate(names):
+        in_a, in_b = ga == i, gb == i
+        side = _Side(g, sorted(x for x, v in group.items() if v == g), np.nonzero(in_a ^ in_b)[0],
+                     np.nonzero(in_a & in_b)[0])
+        sides[g] = side
+        if _uplink_bad(t, mesh, mostly, side):
+            flagged.append(g)
+    if not flagged:
+        return []
+    measured = [g for g, s in sides.items() if len(s.cross)]
+    if len(flagged) >= 2 and set(flagged) == set(measured):
+        # Every group's way out is slow: two racks cannot tell their uplinks apart, and all racks at once is the
+        # spine (or every uplink), not one leaf.
+        return [_switch_detection(w, by, [sides[g] for g in flagged], mesh)]
+    return [_switch_detection(w, by, [sides[g]], mesh) for g in flagged]
+
+
+def _uplink_bad(t: Thresholds, mesh: Pairs, mostly: np.ndarray, side: _Side) -> bool:
+    if len(side.nodes) < 2 or len(side.cross) < 3 or not len(side.inside):
+        return False
+    cross_bad = mostly[side.cross]
+    if cross_bad.mean() < t.node_bad_frac or mostly[side.inside].mean() > 1 - t.node_bad_frac:
+        return False
+    # Several of its nodes, towards several outside nodes: one node's NIC or one far node is not a switch.
+    bad_cross = side.cross[cross_bad]
+    ends = set(mesh.a[bad_cross].tolist()) | set(mesh.b[bad_cross].tolist())
+    inner = ends & set(side.nodes)
+    return len(inner) >= 2 and len(ends - inner) >= 2
+
+
+def _switch_detection(w: Window, by: str, sides: list[_Side], mesh: Pairs) -> Detection:
+    p = w.probes
+    names = [s.group for s in sides]
+    cross = np.unique(np.concatenate([s.cross for s in sides]))
+    inside = np.unique(np.concatenate([s.inside for s in sides]))
+    cross_rows = mesh.rows(cross)
+    inside_rows = mesh.rows(inside)
+    cross_rtt, inside_rtt = _median(p["rtt_ms"][cross_rows]), _median(p["rtt_ms"][inside_rows])
+    loss = float(np.nansum(p["lost"][cross_rows]) / max(1.0, float(np.nansum(p["sent"][cross_rows]))))
+    hosts = sorted(w.nodes[x] for s in sides for x in s.nodes)
+    mostly = mesh.mostly_bad
+    what = (f"{loss:.0%} probe loss" if loss >= 0.2 else f"RTT {cross_rtt:.2f} ms") + \
+        f" on pairs that leave it vs {inside_rtt:.2f} ms inside"
+    if len(sides) == 1:
+        subject = names[0]
+        title = f"Slow uplink of {by} {subject}: {what}"
+        action = (f"{mostly[cross].mean():.0%} of the pairs from {by} {subject}'s {len(hosts)} nodes to other {by}es "
+                  f"are slow while the pairs inside it are fine: the nodes are healthy, their way out is not → check "
+                  f"the leaf switch's uplinks to the spine (port counters and errors, a flapping or down uplink, "
+                  "ECMP/adaptive routing, ibdiagnet on InfiniBand, PFC pause storms on RoCE); moving the run off "
+                  "this leaf or keeping its collectives inside the leaf avoids it meanwhile.")
+    else:
+        subject = "~".join(names)
+        title = f"Slow links between {by}es {', '.join(names)}: {what}"
+        action = (f"Every pair that crosses between {by}es {', '.join(names)} is slow while the pairs inside each "
+                  "are fine: the fault is between them, not in a node → check the leaf uplinks and the spine "
+                  "switches (port counters and errors, a down or flapping uplink, oversubscription, ECMP/adaptive "
+                  "routing, PFC pause storms on RoCE); a run kept inside one leaf avoids it meanwhile.")
+    return Detection(
+        "slow_link", "switch", subject[:300], "error", title, action,
+        {"metrics": {"layer": "switch_uplink", "grouped_by": by, "groups": names, "nodes": hosts,
+                     "rtt_ms": rnd(cross_rtt), "inside_rtt_ms": rnd(inside_rtt),
+                     "baseline_rtt_ms": rnd(mesh.baseline_rtt_ms), "loss": rnd(loss),
+                     "cross_pairs": len(cross), "cross_bad_frac": rnd(mostly[cross].mean()),
+                     "inside_pairs": len(inside), "inside_bad_frac": rnd(mostly[inside].mean())},
+         "window": [rnd(np.nanmin(p["ts"][cross_rows])), rnd(np.nanmax(p["ts"][cross_rows]))],
+         "series": {"pairs": _pair_rows(w, np.concatenate([cross_rows, inside_rows]))}},
+        0.85)
+
+
+def _median(x: np.ndarray) -> float:
+    return float(np.nanmedian(x)) if np.any(~np.isnan(x)) else float("nan")
+
+
+def _pair_rows(w: Window, sel: np.ndarray) -> list[list[Any]]:
+    p = w.probes
+    return [[w.nodes[int(a)], w.nodes[int(b)], rnd(r), rnd(c)]
+            for a, b, r, c in zip(p["node"][sel][:64], p["peer"][sel][:64], p["rtt_ms"][sel][:64],
+                                  p["bw_gbps"][sel][:64], strict=True)]
