@@ -19,6 +19,7 @@ from dashboard.envconf import (
     env_float,
     env_int,
     env_list,
+    env_oidc,
     env_str,
     private_dir,
     private_file,
@@ -68,6 +69,8 @@ INSTALLED_APPS = [
     "dashboard.diagnosis",
     "dashboard.doctor",
     "dashboard.alerts",
+    "dashboard.accounts",
+    "dashboard.storage",
 ]
 
 MIDDLEWARE = [
@@ -78,6 +81,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "dashboard.accounts.middleware.PersonalTokenAuth",
     "dashboard.security.LoginThrottle",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
@@ -133,8 +137,10 @@ REDIS_URL = env_str("REDIS_URL")
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "prefix": env_str("CLUSTERDX_REDIS_PREFIX", "clusterdx"),
+            # A blocking pop shorter than the socket read timeout (dashboard/live/layer.py says why).
+            "BACKEND": "dashboard.live.layer.ChannelLayer",
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 15.0}],
+                       "prefix": env_str("CLUSTERDX_REDIS_PREFIX", "clusterdx"),
                        "capacity": 2000, "expiry": 30},
         }
     }
@@ -166,6 +172,10 @@ AUTH_PASSWORD_VALIDATORS = [
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "home"
 LOGOUT_REDIRECT_URL = "login"
+# Single sign-on (docs/sso.md): OpenID Connect when CLUSTERDX_OIDC_CLIENT_ID is set, beside the local accounts. The
+# SSO backend answers only an OIDC callback, and builds no network call when Django loads it for a session.
+CLUSTERDX_OIDC = env_oidc()
+AUTHENTICATION_BACKENDS = ["django.contrib.auth.backends.ModelBackend", "dashboard.sso.Backend"]
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -186,6 +196,15 @@ CLUSTERDX = {
     "INGEST_MAX_BODY_BYTES": env_int("CLUSTERDX_INGEST_MAX_BODY_BYTES", 8 * 1024 * 1024, min=1024),
     # Ingest: how far ahead of the server's clock a batch's times may be (400 clock_skew beyond).
     "INGEST_MAX_FUTURE_S": env_float("CLUSTERDX_INGEST_MAX_FUTURE_S", 300.0, min=1.0),
+    # Ingest group commit (dashboard/ingest/commit.py): batches waiting per process before new ones get 429 busy,
+    # the most batches one commit stores, and how long the writer waits for more before committing a short group.
+    "INGEST_QUEUE_BATCHES": env_int("CLUSTERDX_INGEST_QUEUE_BATCHES", 4096, min=1),
+    "INGEST_COMMIT_MAX_BATCHES": env_int("CLUSTERDX_INGEST_COMMIT_MAX_BATCHES", 256, min=1),
+    "INGEST_COMMIT_WINDOW_MS": env_float("CLUSTERDX_INGEST_COMMIT_WINDOW_MS", 2.0, min=0.0),
+    # Nodes per second one cluster may post: beyond it the server asks agents for a longer send_interval_s.
+    "INGEST_NODES_PER_S": env_int("CLUSTERDX_INGEST_NODES_PER_S", 2048, min=1),
+    # GET /metrics (Prometheus): a scraper sends this as a bearer token; unset, only loopback and staff may read.
+    "METRICS_TOKEN": env_str("CLUSTERDX_METRICS_TOKEN"),
     # Request bodies: refused with 413 from Content-Length, or cut off while streaming, before Django reads them.
     "MAX_BODY_BYTES": env_int("CLUSTERDX_MAX_BODY_BYTES", 1024 * 1024, min=1024),
     # The log doctor's upload: a 20 MB log file and the form around it.
@@ -201,6 +220,11 @@ CLUSTERDX = {
     "LIVE_SNAPSHOT_STEPS": env_int("CLUSTERDX_LIVE_SNAPSHOT_STEPS", 300, min=10),
     # Time series older than this are deleted by the retention task.
     "RETENTION_HOURS": env_float("CLUSTERDX_RETENTION_HOURS", 72.0, min=0.1),
+    # Raw 1 Hz GPU and host samples are kept this long (the hot window); older ranges are read from the rollups.
+    "RAW_RETENTION_HOURS": env_float("CLUSTERDX_RAW_RETENTION_HOURS", 6.0, min=0.1),
+    # The 10 s and 1 min rollups (min / mean / max / last per series) are kept this long.
+    "ROLLUP_10S_RETENTION_DAYS": env_float("CLUSTERDX_ROLLUP_10S_RETENTION_DAYS", 7.0, min=0.1),
+    "ROLLUP_1M_RETENTION_DAYS": env_float("CLUSTERDX_ROLLUP_1M_RETENTION_DAYS", 30.0, min=0.1),
     # An agent silent for this long is reported down.
     "HEARTBEAT_TIMEOUT_S": env_float("CLUSTERDX_HEARTBEAT_TIMEOUT_S", 15.0, min=1.0),
     "DIAGNOSIS_INTERVAL_S": env_float("CLUSTERDX_DIAGNOSIS_INTERVAL_S", 5.0, min=0.5),

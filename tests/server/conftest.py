@@ -21,10 +21,11 @@ def _fresh_caches() -> Iterator[None]:
     """The ingest writer caches ids and the live state keeps the latest samples; tests roll the DB back under them."""
     from dashboard.ingest.writer import clear_caches
     from dashboard.live import publish, state
-    from dashboard.telemetry import tokens
+    from dashboard.telemetry import interconnect, tokens
 
     clear_caches()
     tokens.clear_cache()
+    interconnect.clear_cache()
     publish.coalescer.take()  # live deltas left over from the previous test
     state.get_state.cache_clear()
     live = state.get_state()
@@ -32,6 +33,9 @@ def _fresh_caches() -> Iterator[None]:
         live.clear()
     yield
     clear_caches()
+    from dashboard.ingest import commit
+
+    commit.reset()  # its thread's connection would keep the test database from being dropped
 
 
 @dataclass
@@ -47,9 +51,14 @@ class World:
 
 
 @pytest.fixture
-def world(django_user_model: Any) -> World:
+def world(django_user_model: Any, settings: Any) -> World:
     from dashboard.telemetry import tokens
     from dashboard.telemetry.models import Cluster
+
+    # PBKDF2 costs ~0.3–1 s per account and most server tests make three: the accounts made here hash with MD5
+    # (in-process only; a server a test starts as a subprocess keeps the real hashers, so log in there with an
+    # account that subprocess made).
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher", *settings.PASSWORD_HASHERS]
 
     cluster = Cluster.objects.create(name="prod-a")
     other = Cluster.objects.create(name="prod-b")
@@ -57,7 +66,9 @@ def world(django_user_model: Any) -> World:
     owner = django_user_model.objects.create_user("alice", password=pw)
     teammate = django_user_model.objects.create_user("bob", password=pw)
     outsider = django_user_model.objects.create_user("mallory", password=pw)
-    cluster.members.add(owner, teammate)
+    # Roles (dashboard.web.access.require_role): alice owns prod-a, bob is a member, mallory sees only prod-b.
+    cluster.members.add(owner, through_defaults={"role": "owner"})
+    cluster.members.add(teammate)
     other.members.add(outsider)
     _, token = tokens.create_token(cluster, "agents")
     _, other_token = tokens.create_token(other, "agents")
@@ -106,6 +117,12 @@ class AsgiServer:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> AsgiServer:
+        # A process normally has one event loop; here each test's server brings its own. A Redis channel layer
+        # belongs to the loop that first received on it (a receive still blocked in the last server's loop would
+        # make this one fail with "Two event loops are trying to receive()"): give every server a fresh layer.
+        from channels.layers import channel_layers
+
+        channel_layers.backends.clear()
         self.thread.start()
         deadline = time.monotonic() + 20
         while not self.server.started:
