@@ -2,7 +2,9 @@
 
 The node's place in the fabric (``[topology]`` rack, switch, spine) may also come from the environment
 (``CLUSTERDX_RACK``, ``CLUSTERDX_SWITCH``, ``CLUSTERDX_SPINE``), which wins over the file: a Slurm prolog or a
-Kubernetes manifest knows the rack better than a config file copied to every node.
+Kubernetes manifest knows the rack better than a config file copied to every node. Below both, ``[topology]``
+may name where the site already keeps it: ``labels_file`` (the node's Kubernetes labels, downward-API format) and
+``slurm_topology`` (Slurm's ``topology.conf``, looked up by this node's host name).
 
 Every mistake is reported together, by key, with a suggestion for a misspelt name, and the agent refuses to start:
 a typo that silently left a source on its default is worse than an error at install time.
@@ -72,6 +74,7 @@ _RANGES: dict[str, tuple[float, float]] = {
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _TABLES = ("sources", "topology")  # keys that hold a table, not a value
 TOPOLOGY_ENV = {"rack": "CLUSTERDX_RACK", "switch": "CLUSTERDX_SWITCH", "spine": "CLUSTERDX_SPINE"}
+TOPOLOGY_FILES = ("labels_file", "slurm_topology")  # [topology] keys naming a file the place is read from
 _IDENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]*")
 
 
@@ -102,7 +105,9 @@ def build(raw: dict[str, Any], overrides: dict[str, Any], known_sources: tuple[s
     problems: list[str] = []
     cfg = AgentConfig()
     types = {f.name: type(getattr(cfg, f.name)) for f in fields(AgentConfig) if f.name not in _TABLES}
-    cfg.topology = _topology(raw.get("topology", {}), os.environ if environ is None else environ, problems)
+    host = overrides.get("host") or raw.get("host") or socket.gethostname()
+    cfg.topology = _topology(raw.get("topology", {}), os.environ if environ is None else environ, problems,
+                             host if isinstance(host, str) else "")
     for key, value in {**raw, **{k: v for k, v in overrides.items() if v is not None}}.items():
         if key == "sources":
             cfg.sources = _sources(value, known_sources, problems)
@@ -178,19 +183,26 @@ def _hooks_ok(table: dict[str, Any], problems: list[str]) -> bool:
     return False
 
 
-def _topology(table: Any, environ: Mapping[str, str], problems: list[str]) -> dict[str, str]:
-    """``[topology]`` with the environment on top, checked by the wire's own rules (the server would refuse
-    every batch otherwise)."""
+def _topology(table: Any, environ: Mapping[str, str], problems: list[str], host: str = "") -> dict[str, str]:
+    """``[topology]``'s files, its values on top, the environment on top of those, checked by the wire's own rules
+    (the server would refuse every batch otherwise)."""
     if not isinstance(table, dict):
         problems.append('topology: expected a table ([topology] with rack = "...", switch = "...")')
         return {}
     merged: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    for key in TOPOLOGY_FILES:
+        if key in table:
+            found = _topology_file(key, table[key], host, problems)
+            merged.update(found)
+            where.update({part: f"topology.{key}" for part in found})
     for key, value in table.items():
+        if key in TOPOLOGY_FILES:
+            continue
         if key not in TOPOLOGY_ENV:
-            problems.append(f"topology.{key}: unknown option{suggest(key, tuple(TOPOLOGY_ENV))}")
+            problems.append(f"topology.{key}: unknown option{suggest(key, (*TOPOLOGY_ENV, *TOPOLOGY_FILES))}")
         else:
-            merged[key] = value
-    where = {key: f"topology.{key}" for key in merged}
+            merged[key], where[key] = value, f"topology.{key}"
     for key, var in TOPOLOGY_ENV.items():
         value = environ.get(var, "").strip()
         if value:  # set but empty means "not set": an unset template variable must not erase the file's value
@@ -204,6 +216,31 @@ def _topology(table: Any, environ: Mapping[str, str], problems: list[str]) -> di
         else:
             out[key] = value
     return out
+
+
+def _topology_file(key: str, path: Any, host: str, problems: list[str]) -> dict[str, str]:
+    """The place from the node's Kubernetes labels or from Slurm's topology.conf; {} when it names none."""
+    from clusterdx import topology
+
+    if not isinstance(path, str) or not path:
+        problems.append(f"topology.{key}: expected a file path, got {path!r}")
+        return {}
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        problems.append(f"topology.{key}: cannot read {path} ({getattr(exc, 'strerror', None) or exc})")
+        return {}
+    try:
+        if key == "labels_file":
+            return topology.place_from_labels(topology.parse_labels(text))
+        places = topology.parse_slurm_topology(text)
+    except topology.TopologyError as exc:
+        problems.append(f"topology.{key}: {path}: {exc}")
+        return {}
+    except ModuleNotFoundError:
+        problems.append(f"topology.{key}: reading topology.conf needs python-hostlist (pip install python-hostlist)")
+        return {}
+    return places.get(host) or places.get(host.split(".")[0]) or {}
 
 
 def _finish(cfg: AgentConfig, problems: list[str]) -> None:

@@ -274,6 +274,7 @@ class ProbeSource:
         self.responder = Responder(listen_host, port, max_conns=max_conns, max_bulk_bytes=max_bulk_bytes)
         self._file_peers: list[Peer] = []
         self._file_stamp: tuple[float, int] | None = None
+        self._file_error: str | None = None  # the last reason the peers file could not be read (logged once)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -334,10 +335,14 @@ class ProbeSource:
             with open(self.peers_file, encoding="utf-8") as f:
                 lines = [line.split("#", 1)[0].strip() for line in f]
         except OSError as exc:
-            if self._file_stamp is not None or not self._file_peers:
-                log.warning("probes: cannot read peers file %s: %s", self.peers_file, exc)
+            # Once per change of state, not every round: the shipped config names a peers file that a node without
+            # the Slurm prolog or the DaemonSet's init step may never get (it probed nothing; the log filled up).
+            if str(exc) != self._file_error:
+                log.warning("probes: cannot read peers file %s: %s (probing only the static peers)", self.peers_file, exc)
+            self._file_error = str(exc)
             self._file_stamp = None
             return
+        self._file_error = None
         parsed = []
         for line in filter(None, lines):
             try:

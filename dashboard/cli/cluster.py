@@ -1,4 +1,4 @@
-"""``clusterdx cluster create|list|set|add-member|remove-member``: clusters, their members' roles and settings.
+"""``clusterdx cluster create|list|set|add-member|remove-member|topology``: clusters, their members' roles and settings.
 
 Each change goes through :mod:`dashboard.accounts.members` (the same rules as the settings page) and is audit-logged
 as ``cli:<os user>``."""
@@ -31,6 +31,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     rm = sub.add_parser("remove-member", help="remove USER from CLUSTER (a cluster keeps at least one owner)")
     rm.add_argument("cluster")
     rm.add_argument("user")
+    topo = sub.add_parser("topology", help="place CLUSTER's nodes from FILE: CSV host,rack,switch,spine, JSON, or "
+                          "Slurm's topology.conf (wins over the agents' own reports)")
+    topo.add_argument("cluster")
+    topo.add_argument("file", help="the topology file; - reads standard input")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -46,6 +50,10 @@ def main(args: argparse.Namespace) -> int:
     if cluster is None:
         print(f"error: no cluster {args.cluster!r} (clusterdx cluster create NAME)")
         return 1
+    if args.action == "topology":
+        from dashboard.cli.topology import upload
+
+        return upload(cluster, args.file)
     try:
         return _change(args, cluster)
     except members.Refused as exc:

@@ -117,12 +117,30 @@ class Node(models.Model):
     # group nodes by it, and "everything behind leaf switch 12" becomes something a page and a finding can say.
     rack = models.CharField(max_length=64, blank=True, default="")
     switch = models.CharField(max_length=64, blank=True, default="")
+    spine = models.CharField(max_length=64, blank=True, default="")
+    # Who set the place: "agent" (its config, environment or node labels) or "file" (an owner's upload of the whole
+    # cluster's topology). An uploaded place wins: the writer never lets an agent's report overwrite it.
+    placed_by = models.CharField(max_length=8, blank=True, default="")
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["cluster", "hostname"], name="node_unique_host")]
 
     def __str__(self) -> str:
         return self.hostname
+
+
+class PendingPlacement(models.Model):
+    """A host's place from an uploaded topology file, kept until its agent first reports and its Node is created
+    (dashboard.telemetry.placement): an owner may upload the fabric before the agents are deployed."""
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="pending_placements")
+    hostname = models.CharField(max_length=253)
+    rack = models.CharField(max_length=64, blank=True, default="")
+    switch = models.CharField(max_length=64, blank=True, default="")
+    spine = models.CharField(max_length=64, blank=True, default="")
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["cluster", "hostname"], name="pending_placement_unique_host")]
 
 
 class Gpu(models.Model):

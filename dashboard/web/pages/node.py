@@ -140,6 +140,7 @@ def node_facts(node: Node, gpu: int | None = None) -> dict[str, Any]:
     return {
         "cluster": {"id": node.cluster_id, "name": cluster, "url": cluster_url(cluster)},
         "node": {"host": host, "url": node_url(cluster, host), "rack": node.rack, "switch": node.switch,
+                 "spine": node.spine, "placed_by": node.placed_by,
                  "agent_id": node.agent_id, "first_seen": _epoch(node.first_seen), "last_seen": _epoch(node.last_seen),
                  "state": _state(node, findings["open"])},
         "gpu": gpu,
@@ -235,7 +236,8 @@ OPENAPI: dict[str, Any] = {
         "responses": {"200": {"description": "The node", "content": {"application/json": {"schema": {
             "type": "object", "required": ["cluster", "node", "gpus", "ranks", "findings", "events"],
             "properties": {
-                "node": {"type": "object", "description": "host, url, rack, switch, agent_id, first_seen, last_seen, "
+                "node": {"type": "object", "description": "host, url, rack, switch, spine, placed_by (agent, file: an "
+                         "owner's uploaded topology, which wins), agent_id, first_seen, last_seen, "
                          "state (up, stale, down)"},
                 "gpus": {"type": "array", "items": {"type": "object", "description":
                          "index, name, uuid, pci_bus_id, url (the GPU view), latest sample, open_findings"}},

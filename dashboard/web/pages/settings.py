@@ -19,9 +19,10 @@ from django.shortcuts import redirect, render
 from django.urls import path
 from django.views.decorators.http import require_POST
 
+from clusterdx.topology import TopologyError
 from dashboard.accounts import members
-from dashboard.telemetry import audit, interconnect, tokens
-from dashboard.telemetry.models import Cluster, IngestToken, Membership, Role
+from dashboard.telemetry import audit, interconnect, placement, tokens
+from dashboard.telemetry.models import Cluster, IngestToken, Membership, Node, Role
 from dashboard.web.access import cluster_or_404, require_role, role_of
 
 AUDIT_PAGE = 50
@@ -39,7 +40,7 @@ def _context(request: HttpRequest, cluster: Cluster) -> dict[str, Any]:
         "interconnects": [(k, "auto: use the detected one" if k == "auto" else interconnect.LABELS[k])
                           for k in members.INTERCONNECTS],
         "detected": found, "detected_label": interconnect.LABELS.get(found.kind or "", "nothing yet"),
-        "audit": log,
+        "audit": log, "placed_by_file": Node.objects.filter(cluster=cluster, placed_by="file").count(),
     }
 
 
@@ -114,8 +115,21 @@ def _interconnect(request: HttpRequest, cluster: Cluster) -> None:
         messages.info(request, f"interconnect: {cluster.interconnect_label()}")
 
 
+def _topology(request: HttpRequest, cluster: Cluster) -> None:
+    upload = request.FILES.get("file")
+    if upload is None:
+        raise members.Refused("choose a topology file (CSV host,rack,switch,spine, JSON, or Slurm's topology.conf)")
+    if upload.size is not None and upload.size > placement.MAX_BYTES:
+        raise members.Refused(f"{upload.name}: {upload.size} bytes, at most {placement.MAX_BYTES}")
+    try:
+        done = placement.upload(cluster, upload.read(), upload.name or "upload", actor=request.user)
+    except TopologyError as exc:
+        raise members.Refused(f"{upload.name}: {exc}") from None
+    messages.info(request, done.summary(cluster))
+
+
 ACTIONS = {"member-set": _member_set, "member-remove": _member_remove, "token-create": _token_create,
-           "token-revoke": _token_revoke, "interconnect": _interconnect}
+           "token-revoke": _token_revoke, "interconnect": _interconnect, "topology": _topology}
 
 urlpatterns = [
     path("clusters/<slug:name>/settings/", settings_page, name="cluster-settings"),

@@ -47,7 +47,7 @@ function renderFacts() {
   $("node-state").className = `pill state-${n.state}`;
   const cell = (label, html) => `<div><label>${label}</label><span>${html}</span></div>`;
   $("facts").innerHTML = cell("cluster", link(facts.cluster.url, facts.cluster.name)) + cell("node", link(n.url, n.host)) +
-    cell("rack", esc(n.rack || "–")) + cell("switch", esc(n.switch || "–")) + cell("agent", esc(n.agent_id || "–")) +
+    cell("rack", esc(n.rack || "–")) + cell("switch", esc(n.switch || "–")) + (n.spine ? cell("spine", esc(n.spine)) : "") + cell("agent", esc(n.agent_id || "–")) +
     cell("last seen", `${age(n.last_seen)} ago`) + cell("GPUs", String(facts.gpus.length)) +
     cell("ranks now", String(facts.ranks.filter((r) => r.active).length));
 }
