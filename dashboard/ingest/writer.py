@@ -115,17 +115,19 @@ class _Inventory:
             m.Node.objects.filter(id=node_id).update(last_seen=when)
 
     def place_node(self, node_id: int, topology: dict[str, Any] | None) -> None:
-        """Store the node's rack and switch when its agent reports new ones; unchanged costs a dict lookup.
+        """Store the node's rack, switch and spine when its agent reports new ones; unchanged costs a dict lookup.
 
         A field the batch leaves out (null) keeps what the server had: an agent that knows only its rack must not
-        erase a switch set by another source. The spine has no column yet; it travels and is validated."""
+        erase a switch set by another source. A node placed by an uploaded topology file keeps that place whatever
+        its agent says (the file is the owner's word for the whole cluster; an agent's config is copied around)."""
         if topology is None:
             return
-        place = {k: topology[k] for k in ("rack", "switch") if topology[k] is not None}
+        place = {k: topology[k] for k in ("rack", "switch", "spine") if topology.get(k) is not None}
         if not place or self.places.get(node_id) == place:
             return
-        # The filter skips the write when the row already holds these values (a restarted server, a second worker).
-        m.Node.objects.filter(~Q(**place), id=node_id).update(**place)
+        # The filter skips the write when the row already holds these values (a restarted server, a second worker)
+        # and when an upload placed the node: the database decides, so no cache can be stale about an upload.
+        m.Node.objects.filter(~Q(**place), id=node_id).exclude(placed_by="file").update(**place, placed_by="agent")
         self.after_commit(self.places, node_id, place)
 
     def note_gpu(self, node_id: int, sample: dict[str, Any]) -> None:
@@ -296,6 +298,8 @@ def _store_run_meta(cluster: m.Cluster, node_id: int, metas: list[dict[str, Any]
         rank_node = node_id
         if meta["host"] and meta["host"] != "":
             rank_node = inventory.node_id(cluster, meta["host"], "")
+        was = m.Rank.objects.filter(run_id=run_id, rank=meta["rank"]).values_list("node_id", flat=True).first()
+        _note_moves([(cluster.id, run_id, meta, was, rank_node)])
         m.Rank.objects.update_or_create(
             run_id=run_id, rank=meta["rank"],
             defaults={"node_id": rank_node, "local_rank": meta["local_rank"], "gpu_index": meta["gpu_index"],
@@ -320,7 +324,9 @@ def _store_run_metas(metas: list[Meta], memo: dict[tuple[int, str], int]) -> Non
     UPDATE per changed existing rank), and each run's row once, not once per rank (a run's first second brings
     every rank's metadata at once)."""
     changed: dict[tuple[int, int], tuple[int, dict[str, Any], dict[str, Any]]] = {}
+    clusters: dict[int, int] = {}  # run id -> its cluster's id
     for cluster, node_id, meta, run_id in metas:
+        clusters[run_id] = cluster.id
         key = (run_id, meta["rank"])
         stable = {k: v for k, v in meta.items() if k != "ts"}
         if inventory.run_meta.get(key) == stable:
@@ -329,25 +335,46 @@ def _store_run_metas(metas: list[Meta], memo: dict[tuple[int, str], int]) -> Non
         changed[key] = (rank_node, meta, stable)
     if not changed:
         return
-    have = {(r, k): pk for r, k, pk in m.Rank.objects.filter(run_id__in={r for r, _ in changed}).values_list(
-        "run_id", "rank", "id") if (r, k) in changed}
+    have = {(r, k): (pk, was) for r, k, pk, was in m.Rank.objects.filter(run_id__in={r for r, _ in changed})
+            .values_list("run_id", "rank", "id", "node_id") if (r, k) in changed}
     create, now, runs = [], datetime.now(tz=UTC), {}
+    moves: list[Move] = []
     for (run_id, rank), (node_id, meta, stable) in changed.items():
         fields = {"node_id": node_id, "local_rank": meta["local_rank"], "gpu_index": meta["gpu_index"], "meta": stable}
         if (run_id, rank) in have:
-            m.Rank.objects.filter(id=have[(run_id, rank)]).update(updated_at=now, **fields)
+            pk, was = have[(run_id, rank)]
+            moves.append((clusters[run_id], run_id, meta, was, node_id))
+            m.Rank.objects.filter(id=pk).update(updated_at=now, **fields)
         else:
             create.append(m.Rank(run_id=run_id, rank=rank, **fields))
         wide = runs.get(run_id, (0, {}))[1]  # the last rank's world size, every rank's run-wide fields
         runs[run_id] = (meta["world_size"], {**wide, **{k: meta[k] for k in RUN_WIDE if meta[k] is not None}})
         inventory.after_commit(inventory.run_meta, (run_id, rank), stable)
     m.Rank.objects.bulk_create(create)
+    _note_moves(moves)
     for run_id in sorted(runs):
         world, wide = runs[run_id]
         run = m.Run.objects.select_for_update().get(id=run_id)
         run.world_size = world
         run.meta = {**run.meta, **wide}
         run.save(update_fields=["world_size", "meta"])
+
+
+Move = tuple[int, int, dict[str, Any], int | None, int]  # cluster id, run id, the RunMeta, the rank's node before, now
+
+
+def _note_moves(moves: list[Move]) -> None:
+    """A rank that reports from another node than before (restarted elsewhere, rescheduled by the job manager) gets
+    an event: the server keeps only each rank's current node, and the diagnosis ties a loss spike to the move."""
+    moved = [mv for mv in moves if mv[3] is not None and mv[3] != mv[4]]
+    if not moved:
+        return
+    host = dict(m.Node.objects.filter(id__in={n for mv in moved for n in mv[3:]}).values_list("id", "hostname"))
+    m.Event.objects.bulk_create([m.Event(
+        cluster_id=cluster_id, node_id=new, run_id=run_id, ts=_dt(meta["ts"]), kind="hook", severity="warning",
+        gpu_index=meta["gpu_index"], rank=meta["rank"],
+        message=f"rank {meta['rank']} of {meta['run']} moved from {host[was]} to {host[new]}",
+        data={"moved_from": host[was], "moved_to": host[new]}) for cluster_id, run_id, meta, was, new in moved])
 
 
 def _sqlite_datetime(value: datetime) -> str:

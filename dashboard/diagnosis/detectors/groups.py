@@ -142,6 +142,11 @@ def _late_run(w: Window, rs: RunSteps, groups: list[Group], t: Thresholds) -> li
     late_by_role: dict[str, set[int]] = {}
     for g in groups:
         min_lag = max(t.late_min_frac * rs.step_med, MIN_LAG_S)
+        if g.role == "pp":
+            # A pipeline's stages wait for one another by design: the first stage is blocked for the last one's
+            # backward, the last one for the first activations. Only a lag beyond the schedule's bubble is a slow
+            # stage (2% of the step named the last stage of a healthy real pipeline).
+            min_lag = max(min_lag, _bubble(rs, len(g.ranks)) * rs.step_med)
         lag = _lag(g)
         flags = lag >= min_lag
         flags[:, flags.sum(axis=0) > len(g.ranks) / 2] = False
@@ -162,6 +167,15 @@ def _late_run(w: Window, rs: RunSteps, groups: list[Group], t: Thresholds) -> li
     return list(named.values())
 
 
+def _bubble(rs: RunSteps, stages: int) -> float:
+    """The share of a step a balanced pipeline idles, (S-1)/(M+S-1) for GPipe and 1F1B; M, the micro-batches, from
+    the layout (as many as stages when no rank says)."""
+    micro = Counter(int(m) for r in rs.run.ranks.values()
+                    if isinstance(m := (r.meta.get("layout") or {}).get("pp_microbatches"), int) and m > 0)
+    m = micro.most_common(1)[0][0] if micro else stages
+    return (stages - 1) / (m + stages - 1)
+
+
 def _replica(rank: int | None, groups: list[Group], late_dp: set[int]) -> dict[str, Any] | None:
     for g in groups:
         if g.role in INNER and rank in g.ranks and len(g.ranks) > 1 and set(g.ranks) <= late_dp:
@@ -176,6 +190,7 @@ def _culprit(w: Window, rs: RunSteps, g: Group, k: int, lag: np.ndarray, flags: 
     i = int(np.nonzero(rs.ranks == rank)[0][0])
     peers = np.array([int(np.nonzero(rs.ranks == r)[0][0]) for r in g.ranks if r != rank])
     cols = np.nonzero(flags[k])[0]
+    recent = np.nonzero(~np.isnan(rs.m["step_time_s"][i]))[0][-t.recent_steps:]
     data, comp = rs.m["data_wait_s"], rs.m["compute_s"]
     with np.errstate(all="ignore"):
         ddata = float(np.nansum(data[i, cols] - np.nanmedian(data[peers][:, cols], axis=0)))
@@ -187,7 +202,7 @@ def _culprit(w: Window, rs: RunSteps, g: Group, k: int, lag: np.ndarray, flags: 
     in_group = f"{g.role} rank {g.group_rank.get(rank, '?')} of {g.role} group {g.index}"
     metrics: dict[str, Any] = {
         "role": g.role, "group_index": g.index, "group_rank": g.group_rank.get(rank), "group_ranks": g.ranks[:64],
-        "lag_s": rnd(lag_s, 4), "steps_flagged": f"{len(cols)}/{min(t.recent_steps, len(rs.steps))}",
+        "lag_s": rnd(lag_s, 4), "steps_flagged": f"{int(flags[k][recent].sum())}/{len(recent)}",
         "data_wait_s": rnd(np.nanmedian(data[i, cols])), "group_data_wait_s": rnd(np.nanmedian(data[peers][:, cols])),
         "compute_s": rnd(np.nanmedian(comp[i, cols])), "group_compute_s": rnd(np.nanmedian(comp[peers][:, cols]))}
     if g.role == "pp":

@@ -2,7 +2,8 @@
 
 The seed's advice: when the loss spikes, check ECC. A spike is the loss of one step far above the run's own recent
 loss (robust z: median and MAD of the preceding steps); it is judged while the step is fresh, so the GPU samples of
-the same moments (the window's last ``SPANS["gpus"]`` seconds) and the events around it are still in the window.
+the same moments (the window's last ``SPANS["gpus"]`` seconds) and the events around it are still in the window
+(Xid, and a rank of the run that changed node: the ingest records the move as an event).
 One finding names both: "loss spike at step 8,412 coincides with 31 corrected ECC errors on node-007/gpu3". A spike
 with no hardware cause in view is info (data, learning rate, numerics); it resolves once the step is history.
 """
@@ -80,6 +81,14 @@ def _causes(w: Window, run: RunInfo, lo: float, hi: float) -> list[dict[str, Any
             found.append({"what": f"throttling ({', '.join(hot[-1])})", "kind": "throttle", "host": host, "gpu": gpu,
                           "rank": rank, "sev": 1})
     for e in w.events:
+        moved = (e.get("data") or {}).get("moved_to") if e["kind"] == "hook" else None
+        if moved and e["run"] == run.name and lo <= e["ts"] <= hi + 5:
+            # The rank restarted on another node (the ingest's event): its new GPU, or the state it resumed from.
+            rank = e.get("rank")
+            gpu = e.get("gpu_index")
+            found.append({"what": f"rank {rank} moving from {e['data'].get('moved_from')} to {moved}",
+                          "kind": "rank_moved", "host": moved, "gpu": gpu, "rank": rank, "sev": 2, "moved": True})
+            continue
         if e["kind"] != "xid" or not lo <= e["ts"] <= hi + 5:
             continue
         gpu = e.get("gpu_index")
@@ -99,13 +108,20 @@ def _detection(w: Window, run: RunInfo, arr: np.ndarray, k: int, z: float) -> De
     shown = f"{loss:.4g}" if np.isfinite(loss) else "not finite"
     if causes:
         c = causes[0]
-        where = gpu_subject(c["host"], c["gpu"])
-        title = f"Loss spike at step {step:,} coincides with {c['what']} on {where}"
+        where = gpu_subject(c["host"], c["gpu"]) if c["gpu"] is not None else c["host"]
         sev = "error" if c["sev"] >= 3 else "warning"
-        action = (f"The loss jumped to {shown} (median {med:.4g}, robust z {min(z, 999):.0f}) while {where} "
-                  f"(rank {c['rank']}) reported {c['what']} → treat the step as corrupted: roll back to the last "
-                  f"checkpoint, drain {c['host']} and run the GPU's memory / field diagnostics (dcgmi diag -r 3) "
-                  "before it trains again.")
+        if c.get("moved"):
+            title = f"Loss spike at step {step:,} coincides with {c['what']}"
+            action = (f"The loss jumped to {shown} (median {med:.4g}, robust z {min(z, 999):.0f}) right after "
+                      f"{c['what']} → check that it resumed from the latest checkpoint with its data position and "
+                      f"RNG state, and run the GPU diagnostics on {where} (dcgmi diag -r 3); if the spike repeats, "
+                      "roll back to the last checkpoint.")
+        else:
+            title = f"Loss spike at step {step:,} coincides with {c['what']} on {where}"
+            action = (f"The loss jumped to {shown} (median {med:.4g}, robust z {min(z, 999):.0f}) while {where} "
+                      f"(rank {c['rank']}) reported {c['what']} → treat the step as corrupted: roll back to the last "
+                      f"checkpoint, drain {c['host']} and run the GPU's memory / field diagnostics (dcgmi diag -r 3) "
+                      "before it trains again.")
     else:
         title = f"Loss spike at step {step:,}: {shown} against a median of {med:.4g}"
         sev = "info"
