@@ -119,8 +119,10 @@ def events_api(request: HttpRequest, name: str) -> dict[str, Any]:
 
 # -- search ----------------------------------------------------------------------------------------------------------
 
-_RANK_ANY = re.compile(r"(?:rank\s*)?(\d+)", re.I)
-_RANK_IN = re.compile(r"(.+?)\s*[/:\s]\s*(?:rank\s*)?(\d+)", re.I)
+# A rank is at most 1,000,000 (clusterdx.wire): seven digits. An unbounded \d+ let "q=<5,000 nines>" reach int(),
+# which refuses strings over 4,300 digits (a 500 the fuzz found); longer numbers are searched as names only.
+_RANK_ANY = re.compile(r"(?:rank\s*)?(\d{1,7})", re.I)
+_RANK_IN = re.compile(r"(.+?)\s*[/:\s]\s*(?:rank\s*)?(\d{1,7})", re.I)
 
 
 def _rank_results(clusters: Any, run_part: str | None, number: int) -> list[dict[str, Any]]:
