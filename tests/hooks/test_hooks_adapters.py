@@ -3,12 +3,17 @@ agent's socket with sensible values. Each loader is slowed a little so data wait
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from hooks_support import wait_for
+from hooks_support import free_port, wait_for
 
 from trainer_hooks import Monitor
 
@@ -154,3 +159,35 @@ def test_the_hf_callback_reports_steps_loss_grad_norm_and_checkpoints(udp_agent,
     assert [(e["kind"], e["step"]) for e in checkpoints] == [("checkpoint", 3), ("checkpoint", 6)]
     assert finished["kind"] == "hook" and finished["data"] == {"state": "finished"} and finished["step"] == STEPS - 1
     assert checkpoints[0]["data"]["path"].endswith("checkpoint-3")
+
+
+def test_the_hf_callback_times_ddp_all_reduces_without_changing_the_parameters(udp_agent, tmp_path):
+    pytest.importorskip("transformers")
+    world, steps = 2, 4
+    result, port = tmp_path / "result.json", free_port()
+    procs = []
+    for rank in range(world):
+        # Two real gloo ranks as torchrun starts them: accelerate wraps the model in DistributedDataParallel.
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+               "CLUSTERDX_AGENT_ADDR": udp_agent.addr, "CLUSTERDX_RUN": "hf-ddp", "CLUSTERDX_HOOK_BEAT_S": "0",
+               "WANDB_DISABLED": "true", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        env.pop("CLUSTERDX_SERVER", None)
+        args = [sys.executable, str(Path(__file__).with_name("hf_worker.py")), str(result), str(steps)]
+        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
+    for rank in range(world):
+        verdict = json.loads(Path(f"{result}.{rank}").read_text())
+        assert verdict == {"ddp": True, "hooked": ["timed_hook"], "theirs_kept": ["allreduce_hook"], "bitwise": True,
+                           "trained": True}, (rank, verdict)
+    assert wait_for(lambda: len(udp_agent.records("steps")) == world * steps)
+    for s in udp_agent.records("steps"):
+        assert 0 < s["comm_s"] < s["step_time_s"], s
+        (dp,) = s["groups"]
+        assert (dp["role"], dp["group_size"]) == ("dp", world) and dp["ops"] == {"all_reduce": dp["calls"]}
+    assert {r["layout"]["strategy"] for r in udp_agent.records("runs")} == {"ddp"}
