@@ -9,6 +9,7 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", include("dashboard.ingest.urls")),
     path("", include("dashboard.api.urls")),
+    path("", include("dashboard.telemetry.probe_api")),
     path("", include("dashboard.diagnosis.urls")),
     path("doctor/", include("dashboard.doctor.urls")),
     path("", include("dashboard.web.urls")),

@@ -263,6 +263,12 @@ def _finish(cfg: AgentConfig, problems: list[str]) -> None:
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", cfg.host) or len(cfg.host) > 253:
         problems.append(f"host: not a valid host name: {cfg.host!r}")
     cfg.spool_path = cfg.spool_path or default_spool_path()
+    probes = cfg.sources.get("probes")
+    if probes is not None and probes.get("plan") == "server":
+        # Server-planned peers are asked for with the delivery's own server, token and CA, as this node's host name.
+        for key, value in (("server", cfg.server), ("token_file", cfg.token_file), ("ca_file", cfg.ca_file),
+                           ("self_name", cfg.host), ("http_timeout_s", cfg.http_timeout_s)):
+            probes.setdefault(key, value)
 
 
 def _clean(text: str, bad: str) -> str:

@@ -19,13 +19,18 @@ round at most ``max_peers_per_round × pings_per_peer × ping_bytes`` both ways,
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
 import socket
+import ssl
 import statistics
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,6 +251,10 @@ class ProbeSource:
     * ``bulk_bytes`` (``4 MiB``; 0 = never), ``bulk_period_s`` (``30``), ``bulk_timeout_s`` (``5.0``): bandwidth
       probes, one peer at a time, in turn.
     * ``max_conns`` (``256``), ``max_bulk_bytes`` (``64 MiB``): what the responder accepts.
+    * ``plan`` (``"static"``): ``"server"`` adds the peers the server plans for this node (same-leaf neighbours plus
+      a rotating cross-leaf sample; ``GET /api/v1/probes/peers``), asked again every ``plan_refresh_s`` (``0`` = the
+      server's ``round_s``). ``server``, ``token_file``, ``ca_file``, ``http_timeout_s`` and ``self_name`` come
+      from the agent's own settings (the config fills them in); a failed ask keeps the last plan, logged once.
     """
 
     name = "probes"
@@ -255,7 +264,12 @@ class ProbeSource:
                  round_s: float = 2.0, pings_per_peer: int = 4, ping_bytes: int = 64, timeout_s: float = 1.0,
                  max_peers_per_round: int = 16, max_round_s: float = 5.0, bulk_bytes: int = 4 << 20,
                  bulk_period_s: float = 30.0, bulk_timeout_s: float = 5.0, max_conns: int = 256,
-                 max_bulk_bytes: int = 64 << 20) -> None:
+                 max_bulk_bytes: int = 64 << 20, plan: str = "static", server: str = "", token_file: str = "",
+                 ca_file: str = "", plan_refresh_s: float = 0.0, http_timeout_s: float = 10.0) -> None:
+        if plan not in ("static", "server"):
+            raise ValueError(f"plan must be 'static' or 'server', got {plan!r}")
+        if plan == "server" and not (server and token_file):
+            raise ValueError("plan = 'server' needs the agent's server and token_file")
         self.port = port
         self.static_peers = [parse_peer(p, port) for p in peers or []]  # a typo fails at startup, by name
         self.peers_file = peers_file
@@ -281,6 +295,15 @@ class ProbeSource:
         self._latest: list[dict[str, Any]] = []
         self._round = self._reported = 0
         self._notes: list[str] = []
+        self.plan = plan
+        self.server = server.rstrip("/")
+        self.token_file = token_file
+        self.plan_refresh_s = plan_refresh_s
+        self.http_timeout_s = http_timeout_s
+        self._ssl = ssl.create_default_context(cafile=ca_file or None) if self.server.startswith("https") else None
+        self._server_peers: list[Peer] = []
+        self._plan_due = 0.0  # monotonic time of the next ask
+        self._plan_error: str | None = None  # the last reason the ask failed (logged once per change)
 
     def start(self) -> str | None:
         listening = False
@@ -291,7 +314,7 @@ class ProbeSource:
             except OSError as exc:
                 self._notes.append(f"probe responder off: cannot listen on {self.listen_host}:{self.port}: "
                                    f"{exc.strerror}; peers cannot probe this node")
-        if not (self.static_peers or self.peers_file):
+        if not (self.static_peers or self.peers_file or self.plan == "server"):
             return None if listening else "no peers configured and no responder"
         self._thread = threading.Thread(target=self._run, name="clusterdx-prober", daemon=True)
         self._thread.start()
@@ -322,8 +345,10 @@ class ProbeSource:
         """The current peer list: static and from the file, without this host, sorted, without duplicates."""
         if self.peers_file:
             self._reload_file()
+        if self.plan == "server" and time.monotonic() >= self._plan_due:
+            self._refresh_plan()
         short = self.self_name.split(".")[0]
-        unique = {p for p in self.static_peers + self._file_peers if p.label not in (self.self_name, short)}
+        unique = {p for p in self.static_peers + self._file_peers + self._server_peers if p.label not in (self.self_name, short)}
         return sorted(unique, key=lambda p: (p.label, p.host, p.port))
 
     def _reload_file(self) -> None:
@@ -350,6 +375,35 @@ class ProbeSource:
             except ValueError as exc:
                 log.warning("probes: %s: %s", self.peers_file, exc)
         self._file_peers, self._file_stamp = parsed, (st.st_mtime, st.st_size)
+
+    def _refresh_plan(self) -> None:
+        """Ask the server for this node's peers. Runs in the worker thread (peers() is called there), so a slow
+        server delays a round, never the agent's loop; one small GET every few minutes keeps the CPU budget."""
+        query = urllib.parse.urlencode({"host": self.self_name, "port": self.port})
+        try:
+            with open(self.token_file, encoding="utf-8") as f:
+                token = f.read().strip()  # re-read each time, as the delivery does: a rotated token is picked up
+            request = urllib.request.Request(f"{self.server}/api/v1/probes/peers?{query}",
+                                             headers={"Authorization": f"Bearer {token}", "Accept": "application/json"})
+            with urllib.request.urlopen(request, timeout=self.http_timeout_s, context=self._ssl) as answer:
+                body = json.loads(answer.read(1 << 20))
+            peers = [Peer(_LABEL_BAD.sub("-", str(p["host"])).lstrip("-.")[:253] or "peer", str(p["address"]),
+                          int(p["port"])) for p in body["peers"]]
+            round_s = float(body.get("round_s") or 60.0)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            detail = exc.read(300).decode(errors="replace") if isinstance(exc, urllib.error.HTTPError) else ""
+            reason = f"{exc} {detail}".strip()
+            if reason != self._plan_error:
+                log.warning("probes: cannot get the server's probe plan: %s (keeping the last plan, %d peers)",
+                            reason, len(self._server_peers))
+            self._plan_error = reason
+            self._plan_due = time.monotonic() + min(60.0, self.plan_refresh_s or 60.0)
+            return
+        if self._plan_error is not None:
+            log.info("probes: server probe plan reachable again (%d peers)", len(peers))
+        self._plan_error = None
+        self._server_peers = peers
+        self._plan_due = time.monotonic() + max(5.0, self.plan_refresh_s or round_s)
 
     def _run(self) -> None:
         prober = _Prober(self)

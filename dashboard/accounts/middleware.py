@@ -14,6 +14,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from dashboard.accounts import tokens
 
 INGEST_PATH = "/api/v1/ingest"
+PROBE_PEERS_PATH = "/api/v1/probes/peers"  # an agent asks with its ingest token too (dashboard.telemetry.probe_api)
 READS = ("GET", "HEAD", "OPTIONS")
 
 
@@ -30,7 +31,7 @@ class PersonalTokenAuth:
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         header = request.headers.get("Authorization", "")
-        if not header or not request.path.startswith("/api/") or request.path.startswith(INGEST_PATH):
+        if not header or not request.path.startswith("/api/") or request.path.startswith((INGEST_PATH, PROBE_PEERS_PATH)):
             return self.get_response(request)
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():

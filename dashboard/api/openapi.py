@@ -11,6 +11,7 @@ from django.apps import apps
 
 from clusterdx import __version__, wire
 from dashboard.ingest.errors import ERRORS
+from dashboard.telemetry import probe_api
 
 
 def _ingest_path() -> dict[str, Any]:
@@ -70,7 +71,7 @@ def document() -> dict[str, Any]:
                        # Also in the 429 busy answer: the least seconds between one agent's posts the server wants.
                        "send_interval_s": {"type": "number", "minimum": 1}},
     }
-    paths: dict[str, Any] = {"/api/v1/ingest": _ingest_path()}
+    paths: dict[str, Any] = {"/api/v1/ingest": _ingest_path(), **probe_api.openapi_paths()}
     for config in apps.get_app_configs():
         extra = getattr(config, "openapi_paths", None)
         if callable(extra):
