@@ -59,6 +59,8 @@ def cluster_or_404(user: object, name: str) -> Cluster:
 
 def node_or_404(user: object, cluster_name: str, host: str) -> Node:
     cluster = cluster_or_404(user, cluster_name)
+    if "\x00" in host:  # PostgreSQL refuses NUL in a query string (a 500); no host name holds one (wire.Hostname)
+        raise Http404("no such node")
     node = Node.objects.filter(cluster=cluster, hostname=host).select_related("cluster").first()
     if node is None:
         raise Http404("no such node")

@@ -69,8 +69,11 @@ def test_a_personal_token_reads_the_api_as_its_user_and_nothing_else(world: Worl
 def test_the_openapi_document_offers_the_token_wherever_a_session_reads(client: Client) -> None:
     doc = client.get("/api/openapi.json").json()
     assert doc["components"]["securitySchemes"]["personalToken"]["scheme"] == "bearer"
-    gets = [item["get"] for item in doc["paths"].values() if "get" in item]
+    # Every GET a session reads; the agents' own GET (their probe plan) takes the cluster's ingest token instead.
+    gets = [item["get"] for item in doc["paths"].values()
+            if "get" in item and {"clusterToken": []} not in item["get"]["security"]]
     assert len(gets) >= 10 and all({"personalToken": []} in op["security"] for op in gets)
+    assert doc["paths"]["/api/v1/probes/peers"]["get"]["security"] == [{"clusterToken": []}]
     assert doc["paths"]["/api/v1/ingest"]["post"]["security"] == [{"clusterToken": []}]
 
 

@@ -66,6 +66,8 @@ class Thresholds:
     # scheduler: the testbed saw a healthy node at 1.6 ms vs 0.04 ms on a saturated machine).
     busy_cpu_pct: float = 90.0
     rtt_busy_abs_ms: float = 5.0
+    # ... and one path alone (detectors/paths.py) only this far above the quiet RTT (or with probe loss).
+    path_abs_ms: float = 5.0
     loss_frac: float = 0.4
     bw_ratio: float = 0.7
     node_bad_frac: float = 0.75
