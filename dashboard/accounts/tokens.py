@@ -7,7 +7,6 @@ personal token cannot post batches and an agent's token cannot read the API.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import secrets
 import time
 from typing import Any
@@ -16,11 +15,11 @@ from django.utils import timezone
 
 from dashboard.accounts.models import PersonalToken
 from dashboard.telemetry import audit
+from dashboard.telemetry.tokens import find_hashed
 
 PREFIX = "cdxp_"
 # digest -> (row, checked at): a script polling the API every second should not add a query per request only to learn
-# that its token is still valid. A revocation reaches other processes within this TTL.
-CACHE_TTL_S = 5.0
+# that its token is still valid. A revocation reaches other processes within telemetry.tokens.CACHE_TTL_S.
 MARK_USED_EVERY_S = 60.0
 _cache: dict[str, tuple[PersonalToken, float]] = {}
 _last_marked: dict[int, float] = {}
@@ -42,7 +41,7 @@ def create(user: Any, name: str = "", *, actor: Any = None) -> tuple[PersonalTok
 
 def revoke(row: PersonalToken, *, actor: Any) -> bool:
     done = PersonalToken.objects.filter(id=row.id, revoked_at=None).update(revoked_at=timezone.now()) == 1
-    _cache.clear()  # this process stops accepting it at once; others within CACHE_TTL_S
+    _cache.clear()  # this process stops accepting it at once; others within the cache's TTL
     if done:
         audit.record(actor, "api_token.revoke", target=f"{row.user.username}:{row.prefix}")
     return done
@@ -50,23 +49,8 @@ def revoke(row: PersonalToken, *, actor: Any) -> bool:
 
 def lookup(token: str) -> PersonalToken | None:
     """The live token row (with its active user) matching ``token``, or None."""
-    if not token.startswith(PREFIX) or len(token) > 200:
-        return None
-    digest = _digest(token)
-    now = time.monotonic()
-    hit = _cache.get(digest)
-    if hit is not None and now - hit[1] < CACHE_TTL_S:
-        return hit[0]
-    prefix = token[len(PREFIX):].split("_", 1)[0]
-    row = (PersonalToken.objects.select_related("user")
-           .filter(prefix=prefix, revoked_at=None, user__is_active=True).first())
-    if row is None or not hmac.compare_digest(row.digest, digest):
-        _cache.pop(digest, None)
-        return None
-    if len(_cache) > 10_000:  # bounded: a flood of distinct valid tokens cannot grow it without limit
-        _cache.clear()
-    _cache[digest] = (row, now)
-    return row
+    return find_hashed(token, PREFIX, _cache, lambda public: PersonalToken.objects.select_related("user")
+                       .filter(prefix=public, revoked_at=None, user__is_active=True).first())
 
 
 def mark_used(row: PersonalToken) -> None:

@@ -87,24 +87,31 @@ CACHE_TTL_S = 5.0
 _cache: dict[str, tuple[IngestToken, float]] = {}
 
 
-def lookup(token: str) -> IngestToken | None:
-    """The live (not revoked) token row matching ``token``, or None."""
-    if not token.startswith(PREFIX) or len(token) > 200:
+def find_hashed(token: str, prefix: str, cache: dict[str, tuple[Any, float]], row_for: Any) -> Any | None:
+    """The live row a ``<prefix><public part>_<secret>`` token names, or None; one lookup for ingest tokens and
+    personal API tokens alike. ``row_for(public part)`` reads the candidate row; its stored digest is compared in
+    constant time, and a hit is cached for CACHE_TTL_S (a revoked token stops within that time elsewhere)."""
+    if not token.startswith(prefix) or len(token) > 200:
         return None
     digest = _digest(token)
-    hit = _cache.get(digest)
+    hit = cache.get(digest)
     now = time.monotonic()
     if hit is not None and now - hit[1] < CACHE_TTL_S:
         return hit[0]
-    prefix = token[len(PREFIX):].split("_", 1)[0]
-    row = IngestToken.objects.select_related("cluster").filter(prefix=prefix, revoked_at=None).first()
+    row = row_for(token[len(prefix):].split("_", 1)[0])
     if row is None or not hmac.compare_digest(row.digest, digest):
-        _cache.pop(digest, None)
+        cache.pop(digest, None)
         return None
-    if len(_cache) > 10_000:  # bounded: a flood of distinct valid tokens cannot grow it without limit
-        _cache.clear()
-    _cache[digest] = (row, now)
+    if len(cache) > 10_000:  # bounded: a flood of distinct valid tokens cannot grow it without limit
+        cache.clear()
+    cache[digest] = (row, now)
     return row
+
+
+def lookup(token: str) -> IngestToken | None:
+    """The live (not revoked) token row matching ``token``, or None."""
+    return find_hashed(token, PREFIX, _cache, lambda public: IngestToken.objects.select_related("cluster")
+                       .filter(prefix=public, revoked_at=None).first())
 
 
 def clear_cache() -> None:

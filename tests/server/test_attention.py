@@ -17,11 +17,6 @@ from tests.alerts.alerts_support import make_finding
 from tests.server.conftest import World
 
 
-@pytest.fixture(autouse=True)
-def _fast_hasher(settings: Any) -> None:
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-
-
 @pytest.fixture
 def people(world: World, django_user_model: Any) -> dict[str, Any]:
     viewer = django_user_model.objects.create_user("victor")

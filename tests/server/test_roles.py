@@ -17,12 +17,6 @@ from tests.server.conftest import AsgiServer, World, make_batch, post, session_c
 ROLES = ("outsider", "viewer", "member", "owner")
 
 
-@pytest.fixture(autouse=True)
-def _fast_hasher(settings: Any) -> None:
-    # Runs before `world` creates its users: PBKDF2's deliberate slowness is a second per test on a busy machine.
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-
-
 @pytest.fixture
 def people(world: World, django_user_model: Any) -> dict[str, Any]:
     viewer = django_user_model.objects.create_user("victor")
