@@ -97,3 +97,21 @@ def test_the_buffer_keeps_one_checkpoint_per_step_whatever_the_node_count() -> N
         buf.add({"host": f"node-{n}", "sent_at": T0, "runs": [meta] if n == 0 else [], "events": [
             {"ts": T0, "kind": "checkpoint", "run": "r", "step": s, "rank": n} for s in (20, 40)]})
     assert buf.window(T0).runs[0].checkpoints == [(T0, 20), (T0, 40)]
+
+
+def test_the_steps_flagged_count_is_of_the_recent_steps_only() -> None:
+    """A long starvation: every step the window holds is flagged, yet the evidence counts only the recent steps the
+    decision looked at (it once said "11/8")."""
+    scenario = parse({"cluster": {"nodes": 8, "gpus_per_node": 4, "run": "r", "seed": 2},
+                      "fault": [{"kind": "data_starvation", "rank": 21, "magnitude": 0.3, "at_s": 10}]})
+    sim, buf = SimCluster(scenario, T0), WindowBuffer()
+    counts = []
+    for i in range(1, 60):
+        for batch in sim.tick(T0 + i):
+            buf.add(batch)
+        counts += [d.evidence["metrics"]["steps_flagged"] for d in run_all(buf.window(T0 + i))
+                   if d.key == ("data_starvation", "r/rank21")]
+    assert counts, "the starvation was never named"
+    pairs = [tuple(int(x) for x in c.split("/")) for c in counts]
+    assert all(0 < flagged <= recent for flagged, recent in pairs), counts
+    assert pairs[-1][0] == pairs[-1][1], counts  # by then every recent step is flagged

@@ -131,7 +131,10 @@ def _late_in_run(w: Window, rs: RunSteps, t: Thresholds, skip: set[int] | None =
     for i in culprits:
         if skip and int(rs.ranks[i]) in skip:
             continue
-        cols = np.nonzero(flags[i])[0]
+        # The flagged steps among the rank's recent ones: the window holds a few more (recent_steps + 3) so a
+        # steps_flagged of "11/8" cannot happen, and the evidence's medians describe the steps that decided.
+        recent_cols = np.nonzero(present[i])[0][-t.recent_steps:]
+        cols = recent_cols[flags[i, recent_cols]]
         dbase = np.nanmedian(data[peers][:, cols], axis=0) if len(peers) else dmed[0, cols]
         cbase = np.nanmedian(comp[peers][:, cols], axis=0) if len(peers) else cmed[0, cols]
         ddata = float(np.nansum(data[i, cols] - dbase))
