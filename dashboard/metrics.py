@@ -3,7 +3,8 @@
 Several processes serve one deployment (N web workers behind one port, Celery workers running the diagnosis and the
 alert deliveries). A scrape lands on one web worker, so per-process registries would show a different worker's
 numbers each time. When ``PROMETHEUS_MULTIPROC_DIR`` is set (it must be, before start, in every process, to one
-directory that is emptied when the deployment starts) prometheus_client's multiprocess mode sums the processes'
+directory that is emptied when the deployment starts; ``clusterdx server --workers N`` sets a fresh one for its
+workers when it is not set) prometheus_client's multiprocess mode sums the processes'
 files into one view; without it (the embedded server: one process, Celery tasks in-process) the default registry
 is that view already.
 

@@ -27,8 +27,21 @@ def main(args: argparse.Namespace) -> int:
         print("note: the embedded default keeps live state in-process; running 1 worker (set DATABASE_URL and "
               "REDIS_URL to scale out)")
         workers = 1
+    if workers > 1:
+        _metrics_dir()
     serve(args.host, args.port, workers)
     return 0
+
+
+def _metrics_dir() -> None:
+    """N workers share one port, so a scrape of /metrics lands on any one of them: give them prometheus_client's
+    multiprocess mode (a fresh, empty directory of per-process files that every worker sums) unless the operator
+    set PROMETHEUS_MULTIPROC_DIR already. Under /tmp: a tmpfs in the compose and k8s stacks, PrivateTmp under systemd;
+    the workers are spawned after this, so they inherit it."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        import tempfile
+
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="clusterdx-metrics-")
 
 
 def serve(host: str, port: int, workers: int = 1) -> None:

@@ -398,5 +398,20 @@ def test_two_web_workers_store_a_batch_once_and_share_live_updates(stack: Stack,
             t.join(60)
         assert sorted(answers) == ["accepted", "duplicate"]
         assert AgentBatch.objects.filter(agent_id="agent-node-x").count() == 2
+
+        # /metrics on either worker counts both workers' batches (a scrape lands on any one of them): 2 accepted and
+        # 2 duplicates here, plus whatever the module's other tests posted, the same from both sides.
+        seen = [_accepted_counts(conn) for conn in (other, same)]
+        assert seen[0] == seen[1], seen
+        assert seen[0].get("accepted", 0) >= 2 and seen[0].get("duplicate", 0) >= 2, seen
         other.close()
         same.close()
+
+
+def _accepted_counts(conn: http.client.HTTPConnection) -> dict[str, float]:
+    conn.request("GET", "/metrics", headers={"Host": "localhost"})  # ALLOWED_HOSTS: the TLS name
+    reply = conn.getresponse()
+    text = reply.read().decode()
+    assert reply.status == 200, text[:300]
+    pattern = re.compile(r'^clusterdx_ingest_accepted_batches_total\{status="(\w+)"\} (\S+)$', re.M)
+    return {m.group(1): float(m.group(2)) for m in pattern.finditer(text)}
