@@ -538,6 +538,28 @@ def _ports(f: Finding, t0: float, t1: float, win: list[float] | None) -> list[di
                   [line("link errors", "subject", xs, errs)], const("> 0", 0.0, xs), window=win, markers=down[:50])]
 
 
+def _heard_from_rollups(f: Finding, gpu: int | None, t0: float, t1: float) -> tuple[list[float], str]:
+    """When the node was heard, from the finest rollup tier that still holds [t0, t1]: each window's ``n`` samples
+    spread evenly up to its ``last_ts``. Within a window that is an estimate; the gaps between windows, which are
+    what a silence is, are exact to the window. Returns (times, a note for the panel's title)."""
+    from dashboard.storage.models import GpuRollup1m, GpuRollup10s, HostRollup1m, HostRollup10s
+
+    tiers = ((GpuRollup10s, 10), (GpuRollup1m, 60)) if gpu is not None else ((HostRollup10s, 10), (HostRollup1m, 60))
+    for model, seconds in tiers:
+        qs = model.objects.filter(node_id=f.node_id, ts__gte=_dt(t0 - seconds), ts__lte=_dt(t1))
+        if gpu is not None:
+            qs = qs.filter(gpu_index=gpu)
+        rows = list(qs.order_by("ts").values_list("ts", "n", "last_ts")[:5000])
+        if not rows:
+            continue
+        heard: list[float] = []
+        for start, n, last in rows:
+            a, b = start.timestamp(), last.timestamp()
+            heard += np.linspace(a + (b - a) / max(n, 1), b, max(n, 1)).tolist() if n > 1 else [b]
+        return heard, f" (from the {seconds} s rollups: the raw samples are past retention)"
+    return [], ""
+
+
 def _node_down(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
     if f.node_id is None:
         return []
@@ -546,12 +568,15 @@ def _node_down(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str
                 else HostSample.objects.filter(node_id=f.node_id))
     heard = [ts.timestamp() for ts in heard_qs.filter(ts__gte=_dt(t0 - 120), ts__lte=_dt(t1))
              .order_by("ts").values_list("ts", flat=True)[:20000]]
+    source = ""
+    if not heard:  # past the raw window (CLUSTERDX_RAW_RETENTION_HOURS): the rollups still say when it was heard
+        heard, source = _heard_from_rollups(f, first[0] if first else None, t0 - 120, t1)
     if not heard:
         return []
     xs = em.ticks(t0, t1, POINTS)
     xl, win = em.clean(xs, 3), evidence_window(f)
     limit = max(t.silent_min_s, t.silent_intervals * em.median_interval(heard))
-    out = [panel("silence", f"Seconds since {f.node.hostname} was last heard from", "time", "silent for (s)",
+    out = [panel("silence", f"Seconds since {f.node.hostname} was last heard from{source}", "time", "silent for (s)",
                  [line("heartbeat gap", "subject", xl, em.silence(heard, xs))],
                  const(f"silent limit {limit:g} s (with probe loss)", limit, xl)
                  + const(f"heartbeat_s {t.heartbeat_s:g}", t.heartbeat_s, xl), window=win)]

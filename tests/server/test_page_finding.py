@@ -95,6 +95,28 @@ def test_the_evidence_shows_the_injected_fault_above_its_threshold(client: Any, 
         assert panel["thresholds"][0]["value"] == Thresholds().sbe_min and panels["ecc_dbe_volatile"]["breach"]["y"] >= 1
 
 
+def test_a_node_down_past_raw_retention_draws_its_silence_from_the_rollups(client: Any, world: World) -> None:
+    from dashboard.storage.rollup import roll_up
+    from dashboard.telemetry.models import GpuSample, HostSample
+
+    faults, nodes, seconds, *_ = FAULTS["node_down"]
+    feed = Feed(world, faults, nodes=nodes)
+    feed.run(seconds)
+    f = Finding.objects.get(kind="node_down")
+    assert roll_up(timezone.now()) > 0
+    # What retention does to the raw tier after CLUSTERDX_RAW_RETENTION_HOURS (the rollups stay 7 and 30 days).
+    GpuSample.objects.filter(node=f.node).delete()
+    HostSample.objects.filter(node=f.node).delete()
+    client.force_login(world.teammate)
+    panel = client.get(f"/api/v1/findings/{f.id}").json()["chart"]["panels"][0]
+    assert panel["id"] == "silence" and "rollups" in panel["title"], panel["title"]
+    onset = feed.t0 + faults[0]["at_s"]
+    xs, ys = next((s["x"], s["y"]) for s in panel["series"] if s["role"] == "subject")
+    # Heard every second until the node died (10 s windows: at most a window's worth of estimate), silent after.
+    assert max(y for x, y in zip(xs, ys, strict=True) if y is not None and x < onset - 10) <= 10, ys
+    assert ys[-1] is not None and ys[-1] >= xs[-1] - onset - 1 > threshold_at(panel, len(xs) - 1), (ys[-1], panel)
+
+
 def test_the_detail_lists_earlier_findings_and_the_deliveries(client: Any, world: World, alerting: Receiver,
                                                                django_capture_on_commit_callbacks: Any,
                                                                settings: Any) -> None:
