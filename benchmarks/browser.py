@@ -331,6 +331,22 @@ class Load:
     frames: int = 0  # live frames received during the window
     frame_bytes: int = 0
     errors: list[str] = field(default_factory=list)
+    hot: list[tuple[str, float]] = field(default_factory=list)  # --profile: (function, self ms) over the window
+
+
+def hot_functions(profile: dict[str, Any], top: int = 12) -> list[tuple[str, float]]:
+    """Self time per function (name file:line) of a CDP ``Profiler.stop`` profile, largest first: samples times the
+    interval after each, summed over the nodes that name the same function."""
+    nodes = {n["id"]: n for n in profile["nodes"]}
+    self_us: Counter[str] = Counter()
+    deltas = profile.get("timeDeltas") or []
+    for i, node_id in enumerate(profile.get("samples") or []):
+        frame = nodes[node_id]["callFrame"]
+        url = frame.get("url", "").rsplit("/", 1)[-1]
+        name = f"{frame.get('functionName') or '(anonymous)'} {url}:{frame.get('lineNumber', -1) + 1}" if url \
+            else frame.get("functionName") or "(program)"
+        self_us[name] += deltas[i + 1] if i + 1 < len(deltas) else 0
+    return [(name, us / 1000) for name, us in self_us.most_common(top) if name not in ("(idle)",)]
 
 
 def sign_in(context: Any, base: str) -> None:
@@ -349,8 +365,10 @@ def metrics(cdp: Any) -> dict[str, float]:
     return {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
 
 
-def load_page(context: Any, url: str, key: str, ids: list[str], paint_timeout_s: float, window_s: float) -> Load:
-    """One navigation: first paint, snapshot and API bytes; with ``window_s`` also the busy share while live."""
+def load_page(context: Any, url: str, key: str, ids: list[str], paint_timeout_s: float, window_s: float,
+              profile: bool = False) -> Load:
+    """One navigation: first paint, snapshot and API bytes; with ``window_s`` also the busy share while live (and with
+    ``profile`` a sampling CPU profile of that window: where the busy share goes)."""
     page = context.new_page()
     page.add_init_script(PAINT_JS % json.dumps(ids))
     frames: list[tuple[float, int]] = []  # (monotonic time, bytes), all sockets
@@ -393,9 +411,15 @@ def load_page(context: Any, url: str, key: str, ids: list[str], paint_timeout_s:
     paint = state["marks"].get(main) if main else None
     load = Load(key, main, paint, state["marks"], firsts[0] if firsts else None, 0, 0, errors=errors)
     if window_s > 0:
+        if profile:
+            cdp.send("Profiler.enable")
+            cdp.send("Profiler.setSamplingInterval", {"interval": 500})
+            cdp.send("Profiler.start")
         m0, lt0, t0 = metrics(cdp), state.get("longtask_ms", 0.0), time.monotonic()
         page.wait_for_timeout(window_s * 1000)
         m1 = metrics(cdp)
+        if profile:
+            load.hot = hot_functions(cdp.send("Profiler.stop")["profile"])
         elapsed = m1["Timestamp"] - m0["Timestamp"]
         load.busy = (m1["TaskDuration"] - m0["TaskDuration"]) / elapsed
         load.script = (m1["ScriptDuration"] - m0["ScriptDuration"]) / elapsed
@@ -430,7 +454,8 @@ def measure(base: str, where: dict[str, Any], args: argparse.Namespace, override
                       f"(also {', '.join('#' + i for i in ids[1:]) or 'nothing'}; from {source})", flush=True)
                 for i in range(args.loads):
                     last = i == args.loads - 1
-                    load = load_page(context, url, spec.key, ids, args.paint_timeout, args.window if last else 0)
+                    load = load_page(context, url, spec.key, ids, args.paint_timeout, args.window if last else 0,
+                                     profile=args.profile and last)
                     out.append(load)
                     print(f"    load {i + 1}/{args.loads}: paint {_ms(load.paint_ms)}  snapshot "
                           f"{_mb(load.snapshot_bytes)}  API {_mb(load.api_bytes)} in {load.api_requests} requests"
@@ -567,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis-url", default=os.environ.get("CLUSTERDX_BENCH_REDIS_URL", "redis://127.0.0.1:6379/14"))
     p.add_argument("--workers", type=int, default=1, help="ASGI workers (pg backend only)")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--profile", action="store_true",
+                   help="sample the main thread during the busy window and print each page's hottest functions")
     args = p.parse_args(argv)
     sizes = [int(x) for x in re.split(r"[,\s]+", args.nodes.strip()) if x]
     overrides = {}
@@ -591,6 +618,11 @@ def main(argv: list[str] | None = None) -> int:
           f"snapshot < {GOAL_SNAPSHOT_BYTES // 2**20} MB (ratios < 1 meet them)")
     for res in results:
         print(f"  {res['nodes']:>5} nodes: ingest {res['ingest'] or res.get('error')}")
+    for res in results if args.profile else []:
+        for load in res["loads"]:
+            if load.get("hot"):
+                print(f"  {res['nodes']:>5} nodes, {load['page']}: self time over the {args.window:g} s window: "
+                      + "; ".join(f"{name} {ms:.0f} ms" for name, ms in load["hot"]))
     if args.json:
         args.json.write_text(json.dumps({"results": results, "rows": all_rows}, indent=1))
     return 0 if all_rows and not any(r.get("error") for r in results) else 1

@@ -19,7 +19,7 @@ from django.contrib.auth import get_user_model
 from dashboard.live import snapshot
 from dashboard.live.broadcast import cluster_group, run_group
 from dashboard.live.events import EVENT_KEYS, GPU_ROW, STEP_ROW
-from dashboard.telemetry.models import Cluster, Run
+from dashboard.telemetry.models import Cluster, Rank, Run
 
 MAX_PENDING_STEPS = 20_000
 MAX_PENDING_ROWS = 2_000  # events, and findings (one row per finding), held for one client between frames
@@ -49,8 +49,16 @@ def _still_allowed(user_id: int, cluster_id: int) -> bool:
     return user is not None and cluster is not None and cluster.visible_to(user)
 
 
+def _run_hosts_now(run: Run) -> frozenset[str]:
+    return frozenset(h for h in Rank.objects.filter(run=run).values_list("node__hostname", flat=True).distinct() if h)
+
+
+_run_hosts = database_sync_to_async(_run_hosts_now)
+
+
 @database_sync_to_async
-def _snapshot(cluster: Cluster, run: Run | None, host: str | None, only: set[str] | None) -> dict[str, Any]:
+def _snapshot(cluster: Cluster, run: Run | None, host: str | None, only: set[str] | None,
+              hosts: frozenset[str] | None = None) -> dict[str, Any]:
     frame: dict[str, Any] = {"type": "snapshot", "seq": 0, "columns": {"steps": STEP_ROW, "gpus": GPU_ROW}}
     if only is not None:
         if "findings" in only:
@@ -63,7 +71,8 @@ def _snapshot(cluster: Cluster, run: Run | None, host: str | None, only: set[str
         frame["run"] = snapshot.run_info(run)
         frame["steps"] = snapshot.recent_steps(run)
     gpus = snapshot.latest_gpus(cluster.id)
-    frame["gpus"] = [g for g in gpus if g[0] == host] if host else gpus
+    frame["gpus"] = [g for g in gpus if g[0] == host] if host else [g for g in gpus if g[0] in hosts] \
+        if hosts is not None else gpus
     # Events come from the database, so a reload shows the recent warnings instead of "No warnings." until a new one.
     frame["events"] = snapshot.recent_events(cluster.id, run.id if run else None, host)
     frame["findings"] = snapshot.open_findings(cluster.id, run.id if run else None)
@@ -83,6 +92,10 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             return
         cluster, run = found
         self.host: str | None = (query.get("node") or [None])[0]
+        # A run page draws only its own nodes' GPUs and events: a 128-node run in a 2,048-node cluster was sent all
+        # 16,384 GPUs every frame (1.7 MB snapshots, ~300 KB a second) to throw away. Re-read at each access recheck,
+        # so a rank that moves to another node brings that node's rows.
+        self.run_hosts: frozenset[str] | None = await _run_hosts(run) if run is not None else None
         only = (query.get("only") or [""])[0]
         self.only: set[str] | None = {k for k in only.split(",") if k in EVENT_KEYS} if only else None
         self.user_id, self.cluster_id = user.pk, cluster.id
@@ -92,7 +105,8 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         self.pending: dict[str, Any] = {}
         self.seq = 0
         await self.accept()
-        await self.send_json(await _snapshot(cluster, run, self.host, self.only))
+        await self.send_json(await _snapshot(cluster, run, self.host, self.only, self.run_hosts))
+        self.run = run
         self.flusher = asyncio.create_task(self._flush_forever())
 
     async def disconnect(self, code: int) -> None:
@@ -117,6 +131,13 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         if self.host is not None and kind in ("gpus", "events"):
             key = 0 if kind == "gpus" else "host"
             rows = [r for r in event[kind] if r[key] == self.host]
+            if not rows:
+                return
+            event = {**event, kind: rows}
+        elif self.run_hosts is not None and kind in ("gpus", "events"):
+            hosts = self.run_hosts
+            rows = ([r for r in event[kind] if r[0] in hosts] if kind == "gpus"
+                    else [r for r in event[kind] if not r.get("host") or r["host"] in hosts])
             if not rows:
                 return
             event = {**event, kind: rows}
@@ -156,6 +177,8 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
                     self.pending = {}
                     await self.close(code=4403)
                     return
+                if self.run is not None:
+                    self.run_hosts = await _run_hosts(self.run)
             if not self.pending:
                 continue
             pending, self.pending = self.pending, {}

@@ -34,8 +34,15 @@ def ingest(server: AsgiServer, token: str, batch: dict[str, Any]) -> httpx.Respo
     return httpx.post(f"{server.url}/api/v1/ingest", json=batch, headers={"Authorization": f"Bearer {token}"}, timeout=10)
 
 
+def with_ranks(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch plus the hooks' metadata of its ranks (run-1's ranks 0 and 1 on the batch's node), which is how the
+    server knows a run's nodes."""
+    return {**batch, "runs": [{"run": "run-1", "rank": r, "world_size": 2, "ts": batch["sent_at"], "host": batch["host"]}
+                              for r in range(2)]}
+
+
 def test_it_pushes_an_ingested_step_to_the_run_page_socket(asgi_server: AsgiServer, world: World, client: Any) -> None:
-    assert ingest(asgi_server, world.token, make_batch(seq=0)).status_code == 200
+    assert ingest(asgi_server, world.token, with_ranks(make_batch(seq=0))).status_code == 200
     run = Run.objects.get(name="run-1")
     with ws_connect(asgi_server, f"/ws/live/?run={run.id}", session_cookie(client, world.owner)) as ws:
         snap = recv_json(ws)
@@ -145,3 +152,24 @@ def test_a_reload_keeps_the_events_and_a_node_stream_carries_only_that_node(
             except TimeoutError:
                 break
         assert kinds <= {"findings"}, kinds
+
+
+def test_a_run_socket_carries_only_the_run_nodes_gpus(asgi_server: AsgiServer, world: World, client: Any) -> None:
+    """A run page draws its own nodes: the other nodes' GPU rows (16,384 at 2,048 nodes) are not sent to it."""
+    assert ingest(asgi_server, world.token, with_ranks(make_batch(seq=0, host="node-000"))).status_code == 200
+    other = make_batch(seq=0, host="node-009", steps=[])  # no rank of run-1 on this node
+    assert ingest(asgi_server, world.token, other).status_code == 200
+    run = Run.objects.get(name="run-1")
+    with ws_connect(asgi_server, f"/ws/live/?run={run.id}", session_cookie(client, world.owner)) as ws:
+        assert {g[0] for g in recv_json(ws)["gpus"]} == {"node-000"}
+        hosts: set[str] = set()
+        for seq in (1, 2, 3):
+            assert ingest(asgi_server, world.token, make_batch(seq=seq, host="node-009", steps=[])).status_code == 200
+            assert ingest(asgi_server, world.token, make_batch(seq=seq, host="node-000")).status_code == 200
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and "node-000" not in hosts:
+            hosts |= {g[0] for g in recv_json(ws).get("gpus", [])}
+        assert hosts == {"node-000"}
+    # The cluster's own socket still carries every node.
+    with ws_connect(asgi_server, f"/ws/live/?cluster={world.cluster.id}", session_cookie(client, world.owner)) as ws:
+        assert {g[0] for g in recv_json(ws)["gpus"]} == {"node-000", "node-009"}
