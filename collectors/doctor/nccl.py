@@ -37,6 +37,14 @@ _ERRRET_RE = re.compile(r"^[\w./+-]+:\d+ -> (?P<code>\d+)")
 # "Got completion from peer 10.0.0.2<49392> with error 12, opcode 0, len 0, vendor err 129 (Recv)" (<=2.18) and
 # "... with status=12 opcode=1 len=0 vendor err 129 (Send) localGid ..." (>=2.19); "from peer" is absent before 2.12.
 # The gap before "vendor err" is bounded: ".*?" would scan to the end of the line from every "Got completion".
+# A connection NCCL set up: "Channel 00/0 : 0[0] -> 1[1] via P2P/IPC", "Channel 00/0 : 8[0] -> 0[0] [receive] via
+# NET/Socket/0" (the bracket holds the CUDA device, the bus id in hex since 2.12: "1[2a000]"), "Ring 00 : 7 -> 8 [send]
+# via NET/AWS Libfabric/0" (2.4). The sender prints its own rank first; a "[receive]" line prints the peer first.
+_CONN_RE = re.compile(r"^(?:Channel|Ring) \d{1,4}(?:/\d{1,4})? ?: +(\d{1,7})(?:\[[0-9a-fA-F]{1,16}\])? -> "
+                      r"(\d{1,7})(?:\[[0-9a-fA-F]{1,16}\])?(?: \[(send|receive)\])? via ")
+# A communicator's rank and size: "ncclCommInitRank comm 0x.. rank 3 nranks 16 ... Init START" (2.19+, before its
+# connections), "comm 0x.. rank 3 nRanks 16 nNodes 2 ...", "comm 0x.. rank 3 nranks 16 ... - Init COMPLETE" (after).
+_COMM_RANK_RE = re.compile(r"\brank (\d{1,7}) n[Rr]anks (\d{1,7})")
 _IBWC_RE = re.compile(r"Got completion (?:from peer (?P<peer>\S+) )?with (?:error |status=)(?P<status>\d+)"
                       r".{0,200}?vendor err (?P<vendor>\d+)")
 
@@ -402,15 +410,23 @@ class NcclFacts:
 class NcclStreamParser:
     """Turns live NCCL log lines into wire ``Event`` dicts (``ts`` left to the caller).
 
-    Keeps: WARN lines (every one), the version banner, "Using network", the transports in use (once per
-    transport), NCCL_* "set by environment" (once per value), communicator init with nranks (once per comm and
-    rank), IB completion errors (as WARN events with their decoded status), and the socket fallback. Memory is
-    bounded: the de-duplication sets stop growing at ``MAX_SEEN`` entries."""
+    Keeps: WARN lines (every one), the version banner, "Using network", the transports in use (once per transport
+    and rank), NVLS set up, NCCL_* "set by environment" (once per value), communicator init with nranks (once per
+    comm and rank), IB completion errors (as WARN events with their decoded status), and the socket fallback.
+
+    A transport fact carries the rank of the process that printed it (``Event.rank``), so the server can hold each
+    rank's transports: the rank it has in the largest communicator its init lines named so far (the world, once the
+    default group is up; ``data.nranks`` says that communicator's size so a subgroup's rank can be told apart), else
+    its side of the connection line (the sender, or the receiver of a "[receive]" line). One parser may read
+    several processes (a launcher's combined output): what it learns about a process is keyed by host and pid.
+    Memory is bounded: the de-duplication set and the per-process table stop growing at ``MAX_SEEN`` entries."""
 
     MAX_SEEN = 10000
+    MAX_PROCS = 4096
 
     def __init__(self) -> None:
         self._seen: set[tuple[str, ...]] = set()
+        self._world: dict[tuple[str, str], tuple[int, int]] = {}  # (host, pid) -> (rank, nranks) of its largest comm
 
     def feed(self, line: str) -> list[dict[str, Any]]:
         # Fast reject: the agent tails busy training logs; nearly every line carries neither marker.
@@ -441,6 +457,44 @@ class NcclStreamParser:
             data.update(ib, fact="ib_error")
         return _event(severity, rec, data)
 
+    @staticmethod
+    def _proc(rec: NcclRecord) -> tuple[str, str]:
+        """(host, pid) of the record's process: its line starts "host:pid:tid [dev]" when it has a host."""
+        if rec.host is None:
+            return ("", "")
+        head = rec.line.split(" ", 1)[0].split(":")
+        return (rec.host, head[1] if len(head) > 2 else "")
+
+    def _learn_rank(self, rec: NcclRecord) -> None:
+        m = _COMM_RANK_RE.search(rec.msg)
+        if m is None:
+            return
+        rank, nranks = int(m.group(1)), int(m.group(2))
+        if rank >= nranks or nranks > 1_000_000:
+            return
+        proc = self._proc(rec)
+        had = self._world.get(proc)
+        if had is None and len(self._world) >= self.MAX_PROCS:
+            return
+        if had is None or nranks > had[1]:
+            self._world[proc] = (rank, nranks)
+
+    def _transport_event(self, rec: NcclRecord, via: str, conn: re.Match[str] | None) -> list[dict[str, Any]]:
+        name, gdr = transport_of(via)
+        data = {"fact": "transport", "transport": name}
+        if gdr is not None:
+            data["gdr"] = "true" if gdr else "false"
+        world = self._world.get(self._proc(rec))
+        rank: int | None = None
+        if world is not None:
+            rank = world[0]
+            data["nranks"] = str(world[1])
+        elif conn is not None:
+            rank = int(conn.group(2) if conn.group(3) == "receive" else conn.group(1))
+        severity = "warning" if name == "Socket" else "info"
+        key = ("transport", rec.host or "", str(rank), name, data.get("gdr", ""))
+        return self._once(key, severity, rec, data, rank)
+
     def _info_event(self, rec: NcclRecord) -> list[dict[str, Any]]:
         msg, host = rec.msg, rec.host or ""
         at = msg.find(" via ")
@@ -448,18 +502,19 @@ class NcclStreamParser:
             via = _value(msg[at + 5:])
             if not via:
                 return []
-            name, gdr = transport_of(via)
-            data = {"fact": "transport", "transport": name}
-            if gdr is not None:
-                data["gdr"] = "true" if gdr else "false"
-            severity = "warning" if name == "Socket" else "info"
-            return self._once(("transport", host, name, data.get("gdr", "")), severity, rec, data)
+            return self._transport_event(rec, via, _CONN_RE.match(msg) if msg[:1] in "CR" else None)
+        if "anks " in msg:
+            self._learn_rank(rec)
+        if msg.startswith(("NVLS comm ", "Connected NVLS")):  # NVLS buffers set up: the comm runs over NVSwitch
+            return self._transport_event(rec, "NVLS", None)
         if msg.startswith("Using"):
             m = _NETWORK_RE.match(msg)
             if m:
                 net = _value(m["net"])
                 severity = "warning" if net == "Socket" else "info"
-                return self._once(("network", host, net), severity, rec, {"fact": "network", "network": net})
+                world = self._world.get(self._proc(rec))
+                return self._once(("network", host, net), severity, rec, {"fact": "network", "network": net},
+                                  world[0] if world else None)
         if " set by environment to " in msg:
             m = _ENV_RE.match(msg.strip())
             if m:

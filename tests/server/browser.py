@@ -52,10 +52,16 @@ def wait_live(page: Any, timeout: int = 10_000) -> None:
     page.wait_for_function("(document.getElementById('live-status') || {}).textContent === 'live'", timeout=timeout)
 
 
-def keep_screenshot(page: Any, name: str, tmp_path: Path) -> Path:
-    """A full-page PNG in the test's tmp dir, copied to docs/img/<name>.png: the docs show what the suite saw."""
+def keep_screenshot(page: Any, name: str, tmp_path: Path, selector: str | None = None) -> Path:
+    """A full-page PNG (or of the element ``selector`` matches) in the test's tmp dir, copied to docs/img/<name>.png:
+    the docs show what the suite saw."""
     shot = tmp_path / f"{name}.png"
-    page.screenshot(path=str(shot), full_page=True)
+    if selector is None:
+        page.screenshot(path=str(shot), full_page=True)
+    else:  # a clip of the full page: an element shot scrolls, and cards that draw on scroll move the element
+        box = page.eval_on_selector(selector, "e => { const r = e.getBoundingClientRect();"
+                                              " return {x: r.x + scrollX, y: r.y + scrollY, width: r.width, height: r.height}; }")
+        page.screenshot(path=str(shot), full_page=True, clip=box)
     if os.environ.get("CLUSTERDX_KEEP_SCREENSHOTS", "1") != "0":
         DOCS_IMG.mkdir(parents=True, exist_ok=True)
         shutil.copy(shot, DOCS_IMG / shot.name)

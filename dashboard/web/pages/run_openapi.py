@@ -99,9 +99,29 @@ OPENAPI: dict[str, Any] = {
                                        "micro_batch...): values, deviations (mesh coordinates are not drift)"},
                             "versions": {"type": "object", "description": "values, deviations"}}})),
     "/api/v1/runs/{run_id}/nccl": _get(
-        "getRunNccl", "NCCL per node (transports, network, GDR from its NCCL logs; env flags) and warnings",
-        [_RUN], _ok("Suspect nodes first", {"type": "object", "required": ["nodes", "warnings"], "properties": {
-            "interconnect": {"type": "string"},
+        "getRunNccl", "NCCL per rank (the transport class each rank set up since the run began, in node order, "
+        "with the ranks on sockets), per node (transports, network, GDR from its NCCL logs; env flags) and warnings",
+        [_RUN], _ok("Suspect nodes first", {"type": "object", "required": ["ranks", "nodes", "warnings"], "properties": {
+            "interconnect": {"type": "string", "enum": ["ib", "roce", "eth"]},
+            "socket_expected": {"type": "boolean", "description": "the interconnect is IB or RoCE: sockets are a fault"},
+            "ranks": {"type": "object", "required": ["classes", "order", "cls", "combo", "combos", "nodes", "socket",
+                                   "rank_url_prefix"],
+                      "description": "classes: [{key (socket, ib, net, ib_gdr, intra, unknown: worst first), label, "
+                      "ranks, suspect}]; transports: name -> ranks using it; order: the ranks by node then local "
+                      "rank; cls: per rank in order, its index into classes; combo: per rank, its index into "
+                      "combos (its transports as text); nodes: [{host, url, first, count}] (runs of order); "
+                      "socket: [{rank, url, host, node_url, gpu, gpu_url, transports}] (at most 200); socket_count; "
+                      "rank_url_prefix: rank N's page is this + N + '/'",
+                      "properties": {"order": {"type": "array", "items": {"type": "integer"}},
+                                     "cls": {"type": "array", "items": {"type": "integer"}},
+                                     "combo": {"type": "array", "items": {"type": "integer"}},
+                                     "combos": {"type": "array", "items": {"type": "string"}},
+                                     "classes": {"type": "array", "items": {"type": "object"}},
+                                     "transports": {"type": "object"},
+                                     "nodes": {"type": "array", "items": {"type": "object"}},
+                                     "socket": {"type": "array", "items": {"type": "object"}},
+                                     "socket_count": {"type": "integer"},
+                                     "rank_url_prefix": {"type": "string"}}},
             "nodes": {"type": "array", "items": {"type": "object", "description":
                       "host, url, ranks, transports, networks, gdr, env, facts, warnings, suspect"}},
             "warnings": {"type": "array", "items": {"type": "object", "description":

@@ -6,6 +6,7 @@ import {connectLive, drawLoop} from "./lib/live.js";
 import {CONFIG, layout, react as plot} from "./lib/chart.js";
 import {explainTables, timelineTraces} from "./run_explain.js";
 import {badges} from "./lib/attention.js";
+import {drawNccl} from "./run_nccl.js";
 
 const P = pageData();
 const C = {data: "#e4572e", compute: "#29335c", comm: "#f3a712", other: "#a8c686", max: "#9d0208"};
@@ -312,16 +313,7 @@ async function loadSettings() {
 }
 
 async function loadNccl() {
-  const n = await getJSON(P.api.nccl);
-  const shown = n.nodes.slice(0, 200);
-  const list = (a) => esc(a.join(", ") || "–");
-  $("nccl").innerHTML = `<div class="grid"><div><table class="data nccl-nodes"><tr><th>node</th><th class="num">ranks</th><th>transport</th><th>network</th><th>GDR</th><th>env</th><th class="num">warnings</th></tr>
-    ${shown.map((r) => `<tr class="${r.suspect ? "drift" : ""}"><td>${link(r.url, r.host)}</td><td class="num">${r.n_ranks}</td><td>${list(r.transports)}</td>
-    <td>${list(r.networks)}</td><td>${list(r.gdr)}</td><td>${list([...r.env, ...r.facts])}</td><td class="num">${r.warnings}</td></tr>`).join("")}</table>
-    ${n.nodes.length > shown.length ? `<p class="muted">and ${n.nodes.length - shown.length} more nodes, none suspect</p>` : ""}</div>
-    <div><h3>Warnings <span class="muted">newest first</span></h3><ul class="events">${n.warnings.map((e) => `<li class="sev-${esc(e.severity)}">
-    <span class="muted">${esc(when(e.ts))}</span> ${link(e.node_url, e.host || "?")}${e.rank !== null ? " " + link(e.rank_url, "rank " + e.rank) : ""}: ${esc(e.message)}</li>`).join("")
-    || '<li class="muted">No NCCL warnings.</li>'}</ul></div></div>`;
+  drawNccl(await getJSON(P.api.nccl), (url) => go(url));
 }
 
 // -- explain -----------------------------------------------------------------------------------------------------
