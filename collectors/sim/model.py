@@ -49,6 +49,7 @@ class _Node:
     gpus: list[_Gpu]
     port_counters: dict[str, int] = field(default_factory=dict)
     nccl_logged: bool = False
+    nccl_init: bool = False
 
 
 class SimCluster:
@@ -252,6 +253,35 @@ class SimCluster:
                 "data": {"transport": "Socket", "network": "Socket"},
             })
 
+    def _nccl_init_lines(self, n: int, i: int) -> list[str]:
+        """What NCCL_DEBUG=INFO prints at init for local rank ``i`` of node ``n``: its place in the world
+        communicator, its ring neighbour on the node (NVLink P2P) and its rail peer on the next node over its own
+        HCA, with GPUDirect RDMA; sockets on a node whose NCCL fell back to them."""
+        g, world = self.s.gpus_per_node, self.s.world_size
+        rank, host = n * g + i, node_name(n)
+        prefix = f"{host}:{4000 + i}:{4000 + i} [{i}] NCCL INFO"
+        socket = self._node_fault(self.start, "nccl_socket_fallback", n) is not None
+        net = "NET/Socket/0" if socket else f"NET/IB/{i}/GDRDMA"
+        lines = [f"{prefix} comm 0x7f{rank:06x} rank {rank} nRanks {world} nNodes {self.s.nodes} localRanks {g} "
+                 f"localRank {i} MNNVL 0",
+                 f"{prefix} Using network {'Socket' if socket else 'IB'}"]
+        if g > 1:
+            lines.append(f"{prefix} Channel 00/0 : {rank}[{i}] -> {n * g + (i + 1) % g}[{(i + 1) % g}] via P2P/IPC")
+        if self.s.nodes > 1:
+            peer = ((n + 1) % self.s.nodes) * g + i
+            lines.append(f"{prefix} Channel {i % 32:02d}/1 : {rank}[{i}] -> {peer}[{i}] [send] via {net}")
+        return lines
+
+    def _nccl_init_events(self, now: float, n: int) -> list[dict[str, Any]]:
+        from collectors.doctor.nccl import NcclStreamParser  # the agent's own parser: the events it would send
+
+        out = []
+        for i in range(self.s.gpus_per_node):
+            parser = NcclStreamParser()  # one per process, as the agent keeps one per log file
+            for line in self._nccl_init_lines(n, i):
+                out += [{**e, "ts": now, "run": self.s.run} for e in parser.feed(line)]
+        return out
+
     def _port_sample(self, now: float, n: int) -> dict[str, Any]:
         counters = {"symbol_error": 0, "link_downed": 0, "link_error_recovery": 0, "port_rcv_errors": 0,
                     "port_xmit_discards": 0, "port_xmit_wait": self.rng.randint(0, 50)}
@@ -321,6 +351,9 @@ class SimCluster:
                 self.pending_steps[n].clear()
                 continue
             self._inject_events(now, n)
+            if self.s.nccl_logs and not self.nodes[n].nccl_init:
+                self.nodes[n].nccl_init = True
+                self.pending_events[n] += self._nccl_init_events(now, n)
             beats = self._beats(now, n)
             busy = 0.97 if stalled else 0.93  # a hung NCCL kernel spins at 100%: utilisation hides a hang
             batch: dict[str, Any] = {

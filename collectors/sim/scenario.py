@@ -75,6 +75,9 @@ class Scenario:
     seed: int = 1
     checkpoint_every: int = 200
     nodes_per_rack: int = 8
+    # NCCL_DEBUG=INFO init lines per rank (communicator, channels, network), parsed by the agent's own NCCL parser
+    # into the events the run page's NCCL panel draws. Off by default: benchmarks replay a few seconds of batches.
+    nccl_logs: bool = False
     faults: tuple[Fault, ...] = ()
 
     @property
@@ -82,7 +85,8 @@ class Scenario:
         return self.nodes * self.gpus_per_node
 
 
-_CLUSTER_KEYS = {"nodes", "gpus_per_node", "run", "step_time_s", "seed", "checkpoint_every", "nodes_per_rack"}
+_CLUSTER_KEYS = {"nodes", "gpus_per_node", "run", "step_time_s", "seed", "checkpoint_every", "nodes_per_rack",
+                 "nccl_logs"}
 _FAULT_KEYS = {"kind", "at_s", "duration_s", "node", "gpu", "rank", "magnitude"}
 
 

@@ -11,6 +11,7 @@ from clusterdx import wire
 from collectors.sim.model import SimCluster
 from collectors.sim.scenario import FAULT_KINDS, ScenarioError, load, parse
 
+T0 = 1_700_000_000.0
 SCENARIOS = Path(__file__).resolve().parents[2] / "collectors" / "sim" / "scenarios"
 
 
@@ -88,3 +89,23 @@ def test_every_batch_places_its_node_in_a_rack_behind_its_leaf() -> None:
 def test_nodes_per_rack_must_be_a_positive_whole_number(bad: object) -> None:
     with pytest.raises(ScenarioError, match="nodes_per_rack"):
         parse({"cluster": {"nodes_per_rack": bad}})
+
+
+def test_nccl_init_lines_give_every_rank_its_transport_once() -> None:
+    """With ``nccl_logs`` each rank's NCCL init lines go through the agent's parser once, at the run's start: every
+    rank on IB with GPUDirect RDMA to its rail peer, and sockets on a node that fell back to them."""
+    s = parse({"cluster": {"nodes": 3, "gpus_per_node": 4, "nccl_logs": True},
+               "fault": [{"kind": "nccl_socket_fallback", "at_s": 0, "node": 2}]})
+    sim = SimCluster(s, T0)
+    first = sim.tick(T0 + 1)
+    later = [e for i in range(2, 5) for b in sim.tick(T0 + i) for e in b["events"] if e["data"].get("fact")]
+    for b in first:
+        wire.validate_batch(b)
+    net = {e["rank"]: e["data"] for b in first for e in b["events"]
+           if e["data"].get("fact") == "transport" and "P2P" not in e["data"]["transport"]}
+    assert sorted(net) == list(range(12)), "one inter-node transport per rank"
+    assert {r: (d["transport"], d.get("gdr")) for r, d in net.items() if r < 8} == {r: ("IB", "true") for r in range(8)}
+    assert {d["transport"] for r, d in net.items() if r >= 8} == {"Socket"}
+    assert not later, "NCCL prints its transports once, at init"
+    assert all(e["data"]["fact"] != "transport" for b in SimCluster(parse({"cluster": {"nodes": 2}}), T0).tick(T0 + 1)
+               for e in b["events"] if "fact" in e["data"]), "off by default"
