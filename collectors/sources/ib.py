@@ -160,7 +160,7 @@ class _Port:
 class IbSource:
     """InfiniBand / RoCE ports, one :class:`clusterdx.wire.PortSample` per port per interval.
 
-    Options (the ``[ib]`` section of agent.toml):
+    Options (the ``[sources.ib]`` section of agent.toml):
 
     * ``root`` (``"/sys/class/infiniband"``): where the HCAs are; tests point it at a fixture tree.
     * ``counters`` (the bad-link set plus data and packet counters): PMA counters to read from ``counters/``.

@@ -113,6 +113,11 @@ class _Prober:
         for peer in [p for p in self.conns if p not in results]:
             self._close(peer)  # a rotating sample: connections to peers not probed this round are let go
         bulk_peer = self._bulk_due(peers) if time.monotonic() < deadline else None
+        pinged = results.get(bulk_peer) if bulk_peer is not None else None
+        if pinged is not None and pinged.sent and not pinged.rtts_ms:
+            # Unreachable this round: a transfer would only wait out its timeout, and hold back this round's
+            # record of the loss (what tells the server the peer is down) by that long.
+            bulk_peer = None
         if bulk_peer is not None:
             results.setdefault(bulk_peer, _Result()).bw_gbps = self._bulk(bulk_peer)
         now = time.time()
@@ -204,7 +209,10 @@ class _Prober:
         """Achievable bandwidth to one peer in Gb/s, over a fresh connection; None when the transfer failed."""
         total = self.cfg.bulk_bytes
         try:
-            with socket.create_connection((peer.host, peer.port), timeout=self.cfg.bulk_timeout_s) as sock:
+            # Connecting takes one round trip on a working link: the pings' timeout bounds it, so a peer that went
+            # away since its pings costs this round timeout_s, not bulk_timeout_s, before the round reports.
+            with socket.create_connection((peer.host, peer.port), timeout=self.cfg.timeout_s) as sock:
+                sock.settimeout(self.cfg.bulk_timeout_s)
                 sock.sendall(BULK + LENGTH.pack(total))
                 started = time.perf_counter()
                 view = memoryview(_BULK_CHUNK)

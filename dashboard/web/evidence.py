@@ -623,7 +623,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "slow_link": ("rtt_ratio", "rtt_abs_ms", "loss_frac", "bw_ratio", "node_bad_frac", "port_error_samples"),
     "failing_gpu": ("sbe_min", "sbe_samples", "pcie_replay_min", "nvlink_errors_min"),
     "throttling": ("clock_ratio", "throttle_s", "throttle_with_rank_s", "busy_util_pct"),
-    "node_down": ("silent_min_s", "silent_intervals", "heartbeat_s", "probe_loss_frac"),
+    "node_down": ("silent_min_s", "silent_intervals", "heartbeat_s", "probe_loss_frac", "probe_lost_rounds"),
     "rank_down": ("beat_silent_s", "beat_suspect_s"), "hang": ("hang_steps", "hang_min_s"),
     "nccl_config": ("ib_timeout_min", "ib_timeout_scale_ranks"), "congestion": (),
     "checkpoint_overdue": ("ckpt_slack_steps", "ckpt_slack_frac", "ckpt_max_age_s", "gpu_hour_usd"),

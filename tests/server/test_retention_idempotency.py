@@ -181,7 +181,7 @@ def test_a_stalled_clients_pending_events_and_findings_are_bounded() -> None:
     from dashboard.live.consumers import LiveConsumer
 
     client = LiveConsumer()
-    client.only, client.host, client.pending = None, None, {}
+    client.only, client.host, client.run_hosts, client.pending = None, None, None, {}
 
     async def flood() -> None:
         for i in range(6000):  # the flusher is stuck sending to a client that does not read

@@ -58,6 +58,9 @@ class Thresholds:
     silent_intervals: float = 3.0  # ... or this many of the node's own reporting intervals, if longer
     heartbeat_s: float = 15.0
     probe_loss_frac: float = 0.8
+    # ... in the newest probes to it: at least this many rounds (one peer's, or several peers') since the last that
+    # reached it, so one peer's lost round alone (a loaded prober) never names a node down.
+    probe_lost_rounds: int = 2
     # Links: a pair is bad when its RTT is rtt_ratio x the cluster's quiet RTT (and rtt_abs_ms above it), it loses
     # loss_frac of its pings, or its bulk bandwidth is under bw_ratio of the cluster's.
     rtt_ratio: float = 3.0

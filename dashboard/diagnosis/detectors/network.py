@@ -44,8 +44,42 @@ def report_intervals(w: Window) -> dict[int, float]:
     return dict(zip(nodes[starts][keep].astype(int).tolist(), median[keep].tolist(), strict=True))
 
 
+def unreachable(w: Window, i: int, heard: float, t: Thresholds) -> tuple[int, int, int, int]:
+    """(lost, sent, peers, rounds) of the peers' newest probe rounds to node ``i`` that each lost it (``probe_loss_frac``
+    of their pings): the rounds since ``heard`` after the last one that reached it. Not a sum over everything since
+    ``heard``: a round reports when it ends, seconds after its pings, so rounds that ended after the node's last
+    word often probed it before it went away; summed in, they dilute the loss of the rounds after them for as long
+    as the window holds them (the testbed's cut node took 15 s to name that way). A round that reached the node
+    after one that lost it says it is back, or that the loss was the prober's."""
+    p = w.probes
+    rows = np.nonzero((p["peer"] == i) & (p["ts"] > heard) & (p["sent"] > 0))[0]
+    if not len(rows):
+        return 0, 0, 0, 0
+    rows = rows[np.argsort(p["ts"][rows], kind="stable")]
+    lost, sent = p["lost"][rows], p["sent"][rows]
+    reached = np.nonzero(lost / sent < t.probe_loss_frac)[0]
+    tail = rows[reached[-1] + 1:] if len(reached) else rows
+    return (int(np.nansum(p["lost"][tail])), int(np.nansum(p["sent"][tail])), len(np.unique(p["node"][tail])),
+            len(tail))
+
+
+def stranded(w: Window, ranks: list[str]) -> dict[str, int]:
+    """run -> how many of its other ranks wait for ``ranks`` (["run/rankN"], a node's ranks): a collective needs
+    every rank, so the rest of each run stalls in it until the node is back or the run's timeout kills it."""
+    cut: dict[str, int] = {}
+    for r in ranks:
+        run = r.rsplit("/rank", 1)[0]
+        cut[run] = cut.get(run, 0) + 1
+    return {run.name: len(run.ranks) - cut[run.name] for run in w.runs if run.name in cut}
+
+
 def nodes_down(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) -> list[Detection]:
-    """``ranks_on``: host -> ["run/rankN", ...] of the runs that were stepping (their stop is the damage)."""
+    """``ranks_on``: host -> ["run/rankN", ...] of the runs that were stepping (their stop is the damage).
+
+    Named as soon as the node is silent for ``silent_min_s`` (or ``silent_intervals`` of its reporting interval) and
+    its peers' newest rounds lose it (:func:`unreachable`, ``probe_lost_rounds`` of them): a cut link or a dead node
+    within seconds. Silence alone waits ``heartbeat_s``: an agent that is slow or restarting while its node answers
+    its peers is not a node down."""
     out = []
     index = w.node_index()
     intervals = report_intervals(w)
@@ -55,28 +89,30 @@ def nodes_down(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) -> list
         limit = max(t.silent_min_s, t.silent_intervals * intervals.get(i, 1.0))
         if silent < limit:
             continue
-        p = w.probes
-        rows = (p["peer"] == i) & (p["ts"] > heard)
-        sent, lost = float(np.nansum(p["sent"][rows])), float(np.nansum(p["lost"][rows]))
-        peers = len(np.unique(p["node"][rows]))
-        seen_lost = sent > 0 and lost / sent >= t.probe_loss_frac
-        if not seen_lost and silent < t.heartbeat_s:
+        lost, sent, peers, rounds = unreachable(w, i, heard, t) if i >= 0 else (0, 0, 0, 0)
+        rounds_lost = sent > 0 and rounds >= t.probe_lost_rounds
+        if not rounds_lost and silent < t.heartbeat_s:
             continue
         ranks = ranks_on.get(host, [])
-        if seen_lost:
+        waiting = stranded(w, ranks)
+        if rounds_lost:
             title = f"{host} is down: silent for {silent:.0f} s and {peers} peer(s) lose {lost / sent:.0%} of probes to it"
         else:
             title = f"{host}'s agent is silent for {silent:.0f} s"
-        action = (f"Check the node (IPMI/BMC console, power, kernel panic); {len(ranks)} rank(s) on it stopped"
-                  f"{': ' + ', '.join(ranks[:8]) if ranks else ''} → drain it and restart the run from the last "
-                  "checkpoint without it." if seen_lost or ranks else
+        if waiting:
+            title += "; stalls " + ", ".join(sorted(waiting))
+        stalls = "".join(f"; the other {n} rank(s) of {run} wait for it in their collective (the run is stalled, "
+                         "not hung on its own)" for run, n in sorted(waiting.items()))
+        action = (f"Check the node (IPMI/BMC console, power, kernel panic, its link and switch port); {len(ranks)} rank(s) "
+                  f"on it are cut off{': ' + ', '.join(ranks[:8]) if ranks else ''}{stalls} → drain it and restart the "
+                  "run(s) from the last checkpoint without it." if rounds_lost or ranks else
                   "Check the agent (systemctl status clusterdx-agent, its log) and the node's network.")
         out.append(Detection(
             "node_down", "node", host, "critical" if ranks else "error", title, action,
             {"metrics": {"silent_s": rnd(silent, 1), "last_heard": rnd(heard), "probe_loss": rnd(lost / sent) if sent
-                         else None, "probing_peers": peers, "ranks": ranks[:64]},
+                         else None, "probing_peers": peers, "ranks": ranks[:64], "waiting_ranks": waiting},
              "window": [rnd(heard), rnd(w.now)]},
-            0.97 if seen_lost else 0.8, node=host))
+            0.97 if rounds_lost else 0.8, node=host))
     return out
 
 
