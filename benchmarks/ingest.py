@@ -13,6 +13,10 @@ to its answer), sample-to-browser p50/p99 (sample time -> websocket frame), serv
     python benchmarks/ingest.py                                           # 2,048 nodes x 60 s, embedded (SQLite)
     python benchmarks/ingest.py --nodes 512 --seconds 30 --backend pg     # PostgreSQL + Redis on 127.0.0.1
     python benchmarks/ingest.py --nodes 128 --send-interval 5             # post every 5 s even if not asked to
+    python benchmarks/ingest.py --nodes 256 --seconds 20 --profile /tmp/ingest.txt   # where the server's CPU goes
+
+``--profile`` samples the server (py-spy, ``pip install py-spy``) over the run, as collapsed stacks: one
+``frame;frame;... count`` a line, for flamegraph tools or a few lines of Python that sum the counts by frame.
 """
 
 from __future__ import annotations
@@ -324,6 +328,9 @@ def main() -> int:
     p.add_argument("--send-interval", type=float, default=0.0,
                    help="post each node at most every S seconds even if the server asks for less")
     p.add_argument("--drain", type=float, default=15.0, help="seconds after the run to finish retries")
+    p.add_argument("--profile", metavar="PATH",
+                   help="sample the server's process tree with py-spy over the run (pip install py-spy); written "
+                        "as collapsed stacks (one 'frame;frame;... count' a line) to PATH")
     args = p.parse_args()
     seconds = int(args.seconds)
 
@@ -379,6 +386,18 @@ def main() -> int:
         server_watch = ServerWatch(server.pid)
         server_watch.start()
         time.sleep(max(0.0, start - 0.5 - time.time()))  # CPU and wall time count from the run's start
+        spy = None
+        if args.profile:
+            # --gil: only the thread holding the GIL, so the samples count CPU spent in Python, not threads waiting
+            # on a socket; --nonblocking: the server is not paused to read its stacks.
+            spy_bin = Path(sys.executable).with_name("py-spy")
+            try:
+                spy = subprocess.Popen([str(spy_bin) if spy_bin.exists() else "py-spy", "record", "--pid",
+                                        str(server.pid), "--subprocesses", "--gil", "--nonblocking", "--rate", "50",
+                                        "--format", "raw", "--duration", str(seconds), "-o", args.profile],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            except FileNotFoundError:
+                print("!! --profile needs py-spy (pip install py-spy); running without it", flush=True)
         cpu0, me0 = server_watch.cpu_s(), sum(me.cpu_times()[:2])
         print(f"==> {args.nodes} nodes x {args.gpus_per_node} GPUs at 1 Hz for {seconds} s", flush=True)
         t0 = time.monotonic()
@@ -389,6 +408,8 @@ def main() -> int:
         stop.set()
         watcher.join(5)
         server_watch.stop.set()
+        if spy is not None:
+            spy.wait(30)
         print_metrics(base)
         loop.run_until_complete(gen.close())
     finally:

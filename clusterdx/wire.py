@@ -195,6 +195,29 @@ class NfsMount(Record):
     exe_ms: Annotated[float, Range(ge=0)] | None = None
 
 
+# A Linux interface name as /sys/class/net lists it: at most 15 bytes (IFNAMSIZ - 1), no whitespace and no "/". Printable
+# ASCII only: a name with control characters, NUL or a 10 KB run of text is no interface and is refused (400), where a
+# page or a finding would otherwise print it.
+IfName = Annotated[str, Len(15, 1), Pattern(r"[!-.0-~]+")]
+# An address with its prefix length, as `ip addr` prints it: "10.0.0.7/24", "fe80::1/64" (no zone: the interface
+# is the zone).
+IfAddr = Annotated[str, Len(64, 1), Pattern(r"[0-9A-Fa-f.:]+(/[0-9]{1,3})?")]
+
+
+class NetInterface(Record):
+    """A network interface of the node (``/sys/class/net``): what NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME and the
+    bootstrap choose from. ``state`` is the kernel's operstate (RFC 2863): loopback and many virtual devices say
+    ``unknown`` while they carry traffic. ``virtual``: no device behind it (veth, bridge, bond, tunnel)."""
+
+    name: IfName
+    state: Literal["up", "down", "unknown", "dormant", "lowerlayerdown", "notpresent", "testing"] | None = None
+    kind: Literal["ether", "infiniband", "loopback", "other"] | None = None  # from the ARP hardware type
+    virtual: bool | None = None
+    mtu: Annotated[int, Range(ge=0, le=1_000_000)] | None = None
+    speed_mbps: Annotated[int, Range(ge=0, le=100_000_000)] | None = None  # null: not reported (virtual, link down)
+    addresses: Annotated[list[IfAddr], Len(32)] = []
+
+
 class HostSample(Record):
     ts: Unix
     cpu_pct: Pct | None = None
@@ -206,6 +229,9 @@ class HostSample(Record):
     net_rx_bytes_per_s: Annotated[float, Range(ge=0)] | None = None
     net_tx_bytes_per_s: Annotated[float, Range(ge=0)] | None = None
     nfs: Annotated[list[NfsMount], Len(64)] | None = None
+    # The node's network interfaces; agents send them when they change and every few minutes (null in between: the
+    # server keeps the newest list it got).
+    interfaces: Annotated[list[NetInterface], Len(512)] | None = None
 
 
 class PortSample(Record):
@@ -432,7 +458,7 @@ class HookDatagram(Record):
 
 
 RECORDS: tuple[type[Record], ...] = (
-    GpuSample, NfsMount, HostSample, PortSample, Event, GroupTiming, Step, DataLoaderInfo, Layout, RunMeta, Probe,
+    GpuSample, NfsMount, NetInterface, HostSample, PortSample, Event, GroupTiming, Step, DataLoaderInfo, Layout, RunMeta, Probe,
     RankBeat, Topology, Batch, HookDatagram,
 )
 

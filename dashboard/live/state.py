@@ -14,6 +14,7 @@ import time
 from functools import lru_cache
 from typing import Any, Protocol
 
+import msgspec
 from django.conf import settings
 
 # The hang detector ignores runs stalled for an hour or more, so an older beat never names anything; kept a little
@@ -111,6 +112,11 @@ return #gone
 """
 
 
+# Every GPU row and beat of every batch is encoded here: msgspec writes the same JSON as json.dumps in a fraction of
+# its time (json.dumps was a tenth of the server's CPU at 256 nodes).
+_encode = msgspec.json.Encoder().encode
+
+
 class RedisState:
     def __init__(self, url: str, prefix: str) -> None:
         import redis
@@ -131,7 +137,7 @@ class RedisState:
         now = time.time()
         pipe = self._redis.pipeline(transaction=False)
         pipe.hset(self._key("hb", cluster_id), mapping=dict.fromkeys(hosts, now))
-        rows = {f"{r[0]}|{r[1]}": json.dumps(r) for gpus in hosts.values() for r in gpus}
+        rows = {f"{r[0]}|{r[1]}": _encode(r) for gpus in hosts.values() for r in gpus}
         if rows:
             pipe.hset(self._key("gpu", cluster_id), mapping=rows)
         pipe.execute()
@@ -153,7 +159,7 @@ class RedisState:
             return
         now = time.time()
         rows, heard = self._key("beat", cluster_id), self._key("beatt", cluster_id)
-        keys = {f"{b['run']}|{b['rank']}": json.dumps(_beat_row(host, b, now))
+        keys = {f"{b['run']}|{b['rank']}": _encode(_beat_row(host, b, now))
                 for host, beats in by_host.items() for b in beats}
         pipe = self._redis.pipeline(transaction=False)
         pipe.hset(rows, mapping=keys)

@@ -121,6 +121,11 @@ class Node(models.Model):
     # Who set the place: "agent" (its config, environment or node labels) or "file" (an owner's upload of the whole
     # cluster's topology). An uploaded place wins: the writer never lets an agent's report overwrite it.
     placed_by = models.CharField(max_length=8, blank=True, default="")
+    # The newest interface list its agent sent (wire.NetInterface records) and its sample time: kept here by the
+    # ingest writer when it changes, so the diagnosis pass and the node page read one row per node instead of
+    # searching the 1 Hz host samples for the rare one that carries a list.
+    interfaces = models.JSONField(null=True)
+    interfaces_at = models.DateTimeField(null=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["cluster", "hostname"], name="node_unique_host")]
@@ -266,6 +271,9 @@ class HostSample(models.Model):
     net_rx_bytes_per_s = models.FloatField(null=True)
     net_tx_bytes_per_s = models.FloatField(null=True)
     nfs = models.JSONField(null=True)
+    # wire.NetInterface records, as sent: null on most rows (agents send them when they change and every few
+    # minutes). The history ("when did eth1 go down"); the newest list is kept on the Node.
+    interfaces = models.JSONField(null=True)
 
     class Meta:
         indexes = [models.Index(fields=["cluster", "ts"]), models.Index(fields=["node", "ts"])]

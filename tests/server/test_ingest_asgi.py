@@ -63,3 +63,24 @@ def test_a_post_through_the_fast_path_reaches_the_database(asgi_server: AsgiServ
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     assert r.json() == {"status": "accepted", "seq": 1, "records": 4, "send_interval_s": 1.0}
     assert m.GpuSample.objects.count() == 2 and m.StepSample.objects.count() == 2
+
+
+def test_a_cached_token_is_checked_in_the_event_loop_without_a_query(asgi_server: AsgiServer, world: World,
+                                                                     monkeypatch: Any) -> None:
+    """A token's later posts are checked in the event loop, with no trip to a thread. There no query may run: not
+    even the node count falling due while the batch is parsed (it once did, and Django refused it: a 500)."""
+    from dashboard.ingest import views
+
+    def post(seq: int) -> httpx.Response:
+        return httpx.post(f"{asgi_server.url}/api/v1/ingest", json=make_batch(seq=seq),
+                          headers={"Authorization": f"Bearer {world.token}"}, timeout=10)
+
+    assert post(1).status_code == 200  # in a thread: the token is looked up and marked used, the nodes counted
+
+    def counted_in_the_loop(cluster_id: int) -> float:
+        raise AssertionError("the send interval was asked for in the event loop")
+
+    monkeypatch.setattr(views, "send_interval", counted_in_the_loop)
+    r = post(2)
+    assert r.status_code == 200 and r.json()["send_interval_s"] == 1.0
+    assert m.AgentBatch.objects.count() == 2
