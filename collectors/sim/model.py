@@ -52,6 +52,9 @@ class _Node:
     nccl_init: bool = False
 
 
+INTERFACES_EVERY = 300  # batches: the agent sends its interface list when it changes and every 300 s
+
+
 class SimCluster:
     """Call :meth:`tick` once per simulated second; it returns one batch per live node."""
 
@@ -253,6 +256,17 @@ class SimCluster:
                 "data": {"transport": "Socket", "network": "Socket"},
             })
 
+    def _interfaces(self, n: int) -> list[dict[str, Any]]:
+        """The node's interfaces as the agent reports them (on change, and every few minutes): the Ethernet NCCL
+        bootstraps over, and one InfiniBand port (IPoIB) per GPU."""
+        return [{"name": "lo", "state": "unknown", "kind": "loopback", "virtual": True, "mtu": 65536,
+                 "addresses": ["127.0.0.1/8"]},
+                {"name": "eth0", "state": "up", "kind": "ether", "virtual": False, "mtu": 9000, "speed_mbps": 100_000,
+                 "addresses": [f"10.0.{n // 250}.{n % 250 + 1}/16"]},
+                *({"name": f"ib{i}", "state": "up", "kind": "infiniband", "virtual": False, "mtu": 4092,
+                   "speed_mbps": 400_000, "addresses": [f"10.{100 + i}.{n // 250}.{n % 250 + 1}/16"]}
+                  for i in range(self.s.gpus_per_node))]
+
     def _nccl_init_lines(self, n: int, i: int) -> list[str]:
         """What NCCL_DEBUG=INFO prints at init for local rank ``i`` of node ``n``: its place in the world
         communicator, its ring neighbour on the node (NVLink P2P) and its rail peer on the next node over its own
@@ -363,7 +377,8 @@ class SimCluster:
                 "hosts": [{"ts": now, "cpu_pct": 35 + self.rng.gauss(0, 3), "load1": 12.0,
                            "mem_used_bytes": 600 * 1024**3, "mem_total_bytes": 2048 * 1024**3,
                            "nfs": [{"mount": "/mnt/nfs", "server": "nfs-1:/export", "ops_per_s": 120.0,
-                                    "rtt_ms": 0.9, "exe_ms": 1.1}]}],
+                                    "rtt_ms": 0.9, "exe_ms": 1.1}],
+                           **({"interfaces": self._interfaces(n)} if self.seq[n] % INTERFACES_EVERY == 0 else {})}],
                 "ports": [self._port_sample(now, n)],
                 "events": self.pending_events[n], "steps": self.pending_steps[n], "probes": self._probes(now, n),
                 "runs": self._run_meta(now, n) if resend_meta else [], "beats": beats,

@@ -13,9 +13,11 @@ A per-op line after "per-op statistics" in mountstats reads::
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import re
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,12 @@ _MAX_NFS_MOUNTS = 64  # wire bound on HostSample.nfs
 # IFB mirrors of real interfaces).
 DEFAULT_NET_EXCLUDE: tuple[str, ...] = ("lo", "ifb", "veth", "docker", "br-", "virbr", "cni", "flannel", "cali",
                                         "tunl", "vxlan")
+SYS_NET = "/sys/class/net"
+_MAX_INTERFACES = 512  # wire bound on HostSample.interfaces
+_MAX_ADDRESSES = 32  # wire bound on NetInterface.addresses
+_IF_NAME = re.compile(r"[!-.0-~]{1,15}")  # wire.IfName
+_ARPHRD = {"1": "ether", "32": "infiniband", "772": "loopback"}  # include/uapi/linux/if_arp.h
+_OPERSTATES = frozenset({"up", "down", "unknown", "dormant", "lowerlayerdown", "notpresent", "testing"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +114,74 @@ def nfs_interval(prev: NfsTotals, cur: NfsTotals, interval_s: float) -> dict[str
     }
 
 
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read().strip()
+    except OSError:  # EINVAL: speed of a link that is down, or of loopback
+        return None
+
+
+def _int(text: str | None, hi: int) -> int | None:
+    try:
+        value = int(text) if text is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and 0 <= value <= hi else None  # speed -1: unknown
+
+
+def read_interfaces(root: str = SYS_NET, addresses: dict[str, list[str]] | None = None) -> list[dict[str, Any]] | None:
+    """The node's interfaces as wire NetInterface records, physical ones first then by name; None when ``root`` cannot
+    be listed (not Linux). Names the wire cannot carry (no kernel makes them, but sysfs is not ours to trust) are
+    left out with a warning, as are interfaces past the wire's bound."""
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return None
+    out = []
+    for name in names:
+        if not _IF_NAME.fullmatch(name):
+            log.warning("host: interface name %r cannot be sent (not 1-15 printable characters); left out", name[:40])
+            continue
+        base = os.path.join(root, name)
+        state = _read(os.path.join(base, "operstate"))
+        out.append({
+            "name": name, "state": state if state in _OPERSTATES else None,
+            "kind": _ARPHRD.get(_read(os.path.join(base, "type")) or "", "other"),
+            # Real devices have a "device" link to their bus device; veths, bridges, bonds and tunnels do not.
+            "virtual": not os.path.exists(os.path.join(base, "device")),
+            "mtu": _int(_read(os.path.join(base, "mtu")), 1_000_000),
+            "speed_mbps": _int(_read(os.path.join(base, "speed")), 100_000_000),
+            "addresses": (addresses or {}).get(name, [])[:_MAX_ADDRESSES],
+        })
+    out.sort(key=lambda i: (i["virtual"], i["name"]))
+    if len(out) > _MAX_INTERFACES:
+        log.warning("host: %d interfaces, only the first %d are sent", len(out), _MAX_INTERFACES)
+        del out[_MAX_INTERFACES:]
+    return out
+
+
+def if_addresses(psutil: Any) -> dict[str, list[str]]:
+    """name -> ["10.0.0.7/24", "fe80::1/64"] from ``psutil.net_if_addrs()`` (getifaddrs: one call for every
+    interface). IPv6 zones ("%eth0") are dropped: the interface is the zone."""
+    out: dict[str, list[str]] = {}
+    try:
+        table = psutil.net_if_addrs()
+    except (OSError, RuntimeError):
+        return out
+    for name, addrs in table.items():
+        for a in addrs:
+            if a.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                iface = ipaddress.ip_interface(f"{a.address.split('%')[0]}/{a.netmask}" if a.netmask else
+                                               a.address.split("%")[0])
+            except ValueError:
+                continue
+            out.setdefault(name, []).append(iface.with_prefixlen)
+    return out
+
+
 class HostSource:
     """One :class:`clusterdx.wire.HostSample` per interval.
 
@@ -114,6 +190,11 @@ class HostSource:
     * ``mountstats`` (``"/proc/self/mountstats"``): where to read NFS statistics; ``""`` turns NFS off.
     * ``net_include`` (``None`` = all but ``net_exclude``): interfaces whose traffic counts, e.g. ``["eth0", "ib0"]``.
     * ``net_exclude`` (loopback, bridges, veths, IFB...): interface name prefixes left out of the network rates.
+    * ``sys_net`` (``"/sys/class/net"``): where to list the interfaces; ``""`` turns the interface list off.
+    * ``interfaces_check_s`` (15): how often the interfaces are read; a sample carries them only when they changed
+      (a link went down, an address came) or ``interfaces_every_s`` (300) passed since they were last sent, so that a
+      server that lost them (restored, replaced) has them again within minutes. At 2,048 nodes that is a few lists
+      a second instead of 2,048.
 
     Rates (disk, network, NFS ops/s) need two readings, so the first sample has them as ``None``.
     """
@@ -121,8 +202,15 @@ class HostSource:
     name = "host"
 
     def __init__(self, *, mountstats: str = "/proc/self/mountstats", net_include: list[str] | None = None,
-                 net_exclude: list[str] | tuple[str, ...] = DEFAULT_NET_EXCLUDE) -> None:
+                 net_exclude: list[str] | tuple[str, ...] = DEFAULT_NET_EXCLUDE, sys_net: str = SYS_NET,
+                 interfaces_check_s: float = 15.0, interfaces_every_s: float = 300.0) -> None:
         self.mountstats = mountstats
+        self.sys_net = sys_net
+        self.interfaces_check_s = interfaces_check_s
+        self.interfaces_every_s = interfaces_every_s
+        self._if_checked: float | None = None
+        self._if_sent: list[dict[str, Any]] | None = None
+        self._if_sent_at = 0.0
         self.net_include = set(net_include) if net_include else None
         self.net_exclude = tuple(net_exclude)
         self._psutil: Any = None
@@ -151,11 +239,15 @@ class HostSource:
         if self._psutil is not None:
             sample.update(self._psutil_fields(interval))
         sample["nfs"] = self._nfs(interval)
+        interfaces = self._interfaces(now)
+        if interfaces is not None:
+            sample["interfaces"] = interfaces
         self._prev_ts = now
         out.hosts.append(sample)
 
     def close(self) -> None:
         self._prev_nfs.clear()
+        self._if_checked, self._if_sent = None, None  # started again, it sends them at once
 
     # -- psutil ---------------------------------------------------------------------------------------------------
 
@@ -196,6 +288,24 @@ class HostSource:
         if self.net_include is not None:
             return nic in self.net_include
         return not nic.startswith(self.net_exclude)
+
+    # -- interfaces -----------------------------------------------------------------------------------------------
+
+    def _interfaces(self, now: float) -> list[dict[str, Any]] | None:
+        """The interface list when it is due (changed, or not sent for ``interfaces_every_s``); None otherwise."""
+        if not self.sys_net:
+            return None
+        # A clock stepped back counts as due: the next check must not wait for the old time to come round again.
+        if self._if_checked is not None and 0 <= now - self._if_checked < self.interfaces_check_s:
+            return None
+        self._if_checked = now
+        current = read_interfaces(self.sys_net, if_addresses(self._psutil) if self._psutil is not None else None)
+        if current is None:
+            return None
+        if current == self._if_sent and 0 <= now - self._if_sent_at < self.interfaces_every_s:
+            return None
+        self._if_sent, self._if_sent_at = current, now
+        return current
 
     # -- NFS ------------------------------------------------------------------------------------------------------
 

@@ -109,3 +109,15 @@ def test_nccl_init_lines_give_every_rank_its_transport_once() -> None:
     assert not later, "NCCL prints its transports once, at init"
     assert all(e["data"]["fact"] != "transport" for b in SimCluster(parse({"cluster": {"nodes": 2}}), T0).tick(T0 + 1)
                for e in b["events"] if "fact" in e["data"]), "off by default"
+
+
+def test_nodes_report_their_interfaces_at_start_and_every_five_minutes() -> None:
+    sim = SimCluster(parse({"cluster": {"nodes": 2, "gpus_per_node": 2}}), T0)
+    sent = [i for i in range(1, 602) for b in sim.tick(T0 + i) if b["host"] == "node-000"
+            and "interfaces" in b["hosts"][0]]
+    assert sent == [1, 301, 601]
+    sim = SimCluster(parse({"cluster": {"nodes": 2, "gpus_per_node": 2}}), T0)
+    first = sim.tick(T0 + 1)[1]
+    wire.validate_batch(first)
+    names = {i["name"]: i for i in first["hosts"][0]["interfaces"]}
+    assert sorted(names) == ["eth0", "ib0", "ib1", "lo"] and names["eth0"]["state"] == "up"

@@ -3,15 +3,18 @@ off, and the settings audit of :mod:`clusterdx.nccl_rules` (IB timeout and retri
 protocol, GID index on RoCE, verbose debug, NCCL_SOCKET_IFNAME / NCCL_IB_HCA against what the node has).
 
 Facts come from each rank's environment (RunMeta.env, kept as state on the rank) and from the NCCL log events the
-agents parse (transport, network, GDR, the HCAs and interfaces NCCL saw). The agent reports no interface names of its
-own (HostSample has none): a node's interfaces are the ones its NCCL logs named (Bootstrap / NET/Socket / OOB) or an
-``interfaces`` list on its host sample where a newer agent sends one; its HCAs are the devices of its IB ports.
+agents parse (transport, network, GDR, the HCAs and interfaces NCCL saw). A node's interfaces are the list its agent
+reports (``HostSample.interfaces``: name, state, addresses; kept on the Node by the ingest writer, and put on the
+window's host sample by the loader where a rank sets NCCL_SOCKET_IFNAME) and the ones its NCCL logs named
+(Bootstrap / NET/Socket / OOB); its HCAs are the devices of its IB ports. A wrong NCCL_SOCKET_IFNAME is named with
+the node's real interfaces, the usable ones first and the down ones flagged.
 
 The socket fallback is state of the run: the newest transport a node's ranks reported (``Window.nccl_state``, read
 over the runs' lifetime) holds until they report another one, not only while the event is in the 2-minute window."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -138,14 +141,69 @@ SPANS_EVENTS = 120.0
 _NO_IFACE = ("no socket interface found", "No usable listening interface", "no interface found")
 
 
+_DOWN = frozenset({"down", "lowerlayerdown", "notpresent", "dormant"})
+# Interfaces never worth suggesting for NCCL_SOCKET_IFNAME (NCCL itself skips lo and docker* unless asked).
+_NOT_FOR_NCCL = ("lo", "docker", "virbr", "veth", "br-", "cni", "flannel", "cali", "ifb", "tunl", "vxlan")
+
+
 class _NodeFacts:
-    __slots__ = ("hcas", "interfaces", "no_iface", "roce")
+    __slots__ = ("hcas", "interfaces", "links", "no_iface", "roce")
 
     def __init__(self) -> None:
         self.hcas: set[str] = set()
         self.interfaces: set[str] = set()
+        self.links: dict[str, dict[str, Any]] = {}  # name -> the agent's NetInterface record
         self.roce = False
         self.no_iface: str | None = None
+
+
+def _is_down(link: dict[str, Any]) -> bool:
+    return link.get("state") in _DOWN
+
+
+def _shown(links: list[dict[str, Any]]) -> str:
+    """"eth0 up 10.0.0.7/24, ib0 up IPoIB 10.1.0.7/16, lo; down: eth1": usable first (loopback last), the down ones
+    flagged after them; link-local IPv6 left out (every interface has one)."""
+    def one(i: dict[str, Any]) -> str:
+        if i.get("kind") == "loopback":
+            return i["name"]
+        what = [i["name"], i.get("state") or "state unknown"] + (["IPoIB"] if i.get("kind") == "infiniband" else [])
+        return " ".join(what + [a for a in i.get("addresses") or [] if not a.lower().startswith("fe80:")][:2])
+
+    usable = sorted((i for i in links if not _is_down(i)), key=lambda i: (i.get("kind") == "loopback", i["name"]))
+    down = sorted(i["name"] for i in links if _is_down(i))
+    text = ", ".join(map(one, usable)) or "none up"
+    return text + (f"; down: {', '.join(down)}" if down else "")
+
+
+def _candidates(links: list[dict[str, Any]]) -> list[str]:
+    """What NCCL_SOCKET_IFNAME could name on this node: up, with an address, not loopback or container plumbing."""
+    return sorted(i["name"] for i in links if not _is_down(i) and i.get("kind") != "loopback" and i.get("addresses")
+                  and not i["name"].startswith(_NOT_FOR_NCCL))
+
+
+def _ifname_hits(ifname: str, nf: _NodeFacts, hits: list[nccl_rules.Hit]) -> list[nccl_rules.Hit]:
+    """With the agent's list: the audit's socket_ifname_missing reworded with the node's real interfaces (states,
+    addresses) and a concrete fix, and a value that selects only interfaces that are down (which the names alone
+    cannot tell: NCCL then says "no socket interface found" or bootstraps over nothing usable)."""
+    links = list(nf.links.values())
+    if not links:
+        return hits
+    good = _candidates(links)
+    rule = nccl_rules.RULES["socket_ifname_missing"]
+    fix = (f"set NCCL_SOCKET_IFNAME={good[0]}" + (f" (up here: {', '.join(good)})" if len(good) > 1 else "")
+           + " on every rank of this node, or " + rule.fix) if good else rule.fix
+    out = [dataclasses.replace(h, title=f"NCCL_SOCKET_IFNAME={ifname} selects none of the node's interfaces "
+                                        f"({_shown(links)})", fix=fix)
+           if h.rule == "socket_ifname_missing" else h for h in hits]
+    if not any(h.rule == "socket_ifname_missing" for h in hits):
+        picked = [nf.links[n] for n in nccl_rules.selects(ifname, sorted(nf.links))]
+        if picked and all(map(_is_down, picked)):
+            out.append(nccl_rules.Hit(
+                rule.name, rule.severity, "NCCL_SOCKET_IFNAME", ifname,
+                f"NCCL_SOCKET_IFNAME={ifname} selects only interfaces that are down "
+                f"({', '.join(i['name'] for i in picked)}; the node has {_shown(links)})", rule.reason, fix))
+    return out
 
 
 def _node_facts(w: Window) -> dict[str, _NodeFacts]:
@@ -157,9 +215,11 @@ def _node_facts(w: Window) -> dict[str, _NodeFacts]:
             if dev and 0 <= int(i) < len(w.nodes):
                 out.setdefault(w.nodes[int(i)], _NodeFacts()).hcas.add(str(dev))
     for host, sample in w.hosts.items():
-        names = sample.get("interfaces") if isinstance(sample, dict) else None
-        if isinstance(names, list | tuple):
-            out.setdefault(host, _NodeFacts()).interfaces.update(str(n) for n in names if n)
+        links = sample.get("interfaces") if isinstance(sample, dict) else None
+        if isinstance(links, list | tuple):
+            nf = out.setdefault(host, _NodeFacts())
+            nf.links.update((i["name"], i) for i in links if isinstance(i, dict) and i.get("name"))
+            nf.interfaces.update(nf.links)
     for e in _nccl_events(w):
         host, data = _host(e), e.get("data") or {}
         if not host:
@@ -208,17 +268,24 @@ def _audit_detections(w: Window, run: RunInfo, nodes: dict[str, _NodeFacts], t: 
         node_hits = [h for h in nccl_rules.audit(
             node_env, interconnect=fabric, interfaces=nf.interfaces or None, hcas=nf.hcas or None)
             if h.rule in ("socket_ifname_missing", "ib_hca_missing")]
+        if node_env.get("NCCL_SOCKET_IFNAME"):
+            node_hits = _ifname_hits(node_env["NCCL_SOCKET_IFNAME"], nf, node_hits)
         if nf.no_iface and node_env.get("NCCL_SOCKET_IFNAME") and not any(
                 h.rule == "socket_ifname_missing" for h in node_hits):
-            known = f"the interfaces NCCL named there: {', '.join(sorted(nf.interfaces))}" if nf.interfaces else \
-                "the agent reports no interface names"
+            known = (f"its interfaces: {_shown(list(nf.links.values()))}" if nf.links else
+                     f"the interfaces NCCL named there: {', '.join(sorted(nf.interfaces))}" if nf.interfaces else
+                     "the agent reports no interface names")
             rule = nccl_rules.RULES["socket_ifname_missing"]
             node_hits.append(nccl_rules.Hit(
                 rule.name, rule.severity, "NCCL_SOCKET_IFNAME", node_env["NCCL_SOCKET_IFNAME"],
                 f"NCCL_SOCKET_IFNAME={node_env['NCCL_SOCKET_IFNAME']} matched no interface on {node} (NCCL: "
                 f"\"{nf.no_iface}\"; {known})", rule.reason, rule.fix))
         if node_hits:
-            out.append(_audit_detection("node", node, run, node_hits, node=node))
+            det = _audit_detection("node", node, run, node_hits, node=node)
+            if nf.links:  # what the finding page shows next to the rule: the node's interfaces as its agent saw them
+                det.evidence["metrics"]["interfaces"] = [
+                    {k: i.get(k) for k in ("name", "state", "kind", "addresses")} for i in list(nf.links.values())[:64]]
+            out.append(det)
     return out
 
 

@@ -124,6 +124,11 @@ def _ports(node: Node) -> list[dict[str, Any]]:
     return sorted(seen.values(), key=lambda p: p["key"])
 
 
+def _interfaces(node: Node) -> dict[str, Any] | None:
+    """The newest interface list the agent sent (kept on the node by the ingest writer); None when it never sent one."""
+    return {"reported_at": _epoch(node.interfaces_at), "items": node.interfaces} if node.interfaces is not None else None
+
+
 def node_facts(node: Node, gpu: int | None = None) -> dict[str, Any]:
     cluster, host = node.cluster.name, node.hostname
     findings = _findings(node, gpu)
@@ -147,6 +152,7 @@ def node_facts(node: Node, gpu: int | None = None) -> dict[str, Any]:
         "gpus": gpus,
         "ranks": _ranks(node),
         "ports": _ports(node),
+        "interfaces": _interfaces(node) if gpu is None else None,
         "findings": findings,
         "silences": _silences(node, gpu),
         "events": [event_row(e, cluster, host) for e in events.order_by("-ts", "-id")[:EVENT_LIMIT]],
@@ -244,6 +250,11 @@ OPENAPI: dict[str, Any] = {
                 "ranks": {"type": "array", "items": {"type": "object", "description":
                           "run, run_name, run_url, rank, url, gpu_index, active (its run stepped in the last 10 min)"}},
                 "ports": {"type": "array", "items": {"type": "object"}},
+                "interfaces": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {
+                    "reported_at": {"type": "number", "description": "epoch s of the agent's newest list"},
+                    "items": {"type": "array", "items": {"$ref": "#/components/schemas/NetInterface"}}}}],
+                    "description": "the node's network interfaces as its agent last reported them (null on the GPU "
+                    "view, or when the agent sends none)"},
                 "findings": {"type": "object", "description": "open and past findings on this node, with url and "
                              "subject_url; open ones say acked_by / acked_at and silenced"},
                 "silences": {"type": "array", "items": {"type": "object"}, "description": "active silences of the "

@@ -113,8 +113,27 @@ function renderGpuHealth() {
     <div><h3>Xid events on this GPU</h3>${xids.length ? `<table class="data">${xids.map(eventRow).join("")}</table>` : '<p class="empty">No Xid.</p>'}</div></div>`;
 }
 
+// The agent's interface list: usable ones first (loopback last among them), the down ones after, flagged.
+const IFACE_DOWN = new Set(["down", "lowerlayerdown", "notpresent", "dormant"]);
+function renderInterfaces() {
+  const el = $("iface-table");
+  if (!el) return;
+  const got = facts.interfaces;
+  if (!got || !got.items.length) { el.innerHTML = `<p class="empty">The agent reports no interface list (an agent older than this server, or sys_net = "").</p>`; return; }
+  const rank = (i) => (IFACE_DOWN.has(i.state) ? 2 : i.kind === "loopback" ? 1 : 0);
+  const items = [...got.items].sort((a, b) => rank(a) - rank(b) || a.name.localeCompare(b.name));
+  const kind = (i) => ({ether: "Ethernet", infiniband: "IPoIB", loopback: "loopback"}[i.kind] || i.kind || "–") + (i.virtual && i.kind !== "loopback" ? " · virtual" : "");
+  const speed = (m) => (!m ? "–" : m >= 1000 ? `${fmt(m / 1000, 0)} Gbit/s` : `${m} Mbit/s`);
+  const rows = items.map((i) => `<tr><td class="mono">${esc(i.name)}</td>
+    <td>${IFACE_DOWN.has(i.state) ? `<span class="sev error">${esc(i.state)}</span>` : esc(i.state || "–")}</td>
+    <td class="mono">${(i.addresses || []).map(esc).join("<br>") || "–"}</td><td>${esc(kind(i))}</td>
+    <td class="num">${i.mtu ?? "–"}</td><td class="num">${speed(i.speed_mbps)}</td></tr>`);
+  el.innerHTML = `<table class="data"><tr><th>name</th><th>state</th><th>addresses</th><th>kind</th><th class="num">MTU</th><th class="num">speed</th></tr>${rows.join("")}</table>
+    <p class="muted">reported ${age(got.reported_at)} ago</p>`;
+}
+
 function renderAllFacts() {
-  renderFindings(); renderFacts(); renderGpuTable(); renderRanks(); renderEvents(); renderGpuHealth();
+  renderFindings(); renderFacts(); renderGpuTable(); renderRanks(); renderEvents(); renderGpuHealth(); renderInterfaces();
 }
 
 // -- charts -------------------------------------------------------------------------------------------------------
