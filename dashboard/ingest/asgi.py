@@ -63,14 +63,6 @@ def _token_known(headers: dict[str, str]) -> bool:
         close_old_connections()
 
 
-class _NotCached(Exception):
-    pass
-
-
-def _not_cached(public: str) -> None:
-    raise _NotCached
-
-
 def _bearer(headers: dict[str, str]) -> str:
     return headers["authorization"][len("Bearer "):].strip()
 
@@ -78,10 +70,7 @@ def _bearer(headers: dict[str, str]) -> str:
 def _token_cached(headers: dict[str, str]) -> IngestToken | bool | None:
     """What the token cache alone says, in the event loop: the row of a live token checked within its TTL, False
     (not a token at all), None (the cache does not know: the database must decide)."""
-    try:
-        return tokens.find_hashed(_bearer(headers), tokens.PREFIX, tokens._cache, _not_cached) or False
-    except _NotCached:
-        return None
+    return tokens.cached(_bearer(headers))
 
 
 async def _read(receive: Any, limit: int, declared: str | None) -> bytes | None:

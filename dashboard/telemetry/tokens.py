@@ -114,6 +114,24 @@ def lookup(token: str) -> IngestToken | None:
                        .filter(prefix=public, revoked_at=None).first())
 
 
+class _NotCached(Exception):
+    pass
+
+
+def _not_cached(public: str) -> None:
+    raise _NotCached
+
+
+def cached(token: str) -> IngestToken | bool | None:
+    """What the cache alone says, without a query (the ingest path asks this in the event loop): the row of a live
+    token checked within CACHE_TTL_S, False (not a token at all), or None (the cache does not know: ask
+    :func:`lookup`)."""
+    try:
+        return find_hashed(token, PREFIX, _cache, _not_cached) or False
+    except _NotCached:
+        return None
+
+
 def clear_cache() -> None:
     _cache.clear()
     _last_marked.clear()
