@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import re
 import socket
 import ssl
@@ -36,6 +37,8 @@ from typing import Any
 
 from collectors.agent.source import Collected
 from collectors.sources.probe_responder import BULK, DEFAULT_PORT, ECHO, LENGTH, Responder
+
+MAX_PENDING_RECORDS = 4096
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +304,7 @@ class ProbeSource:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._latest: list[dict[str, Any]] = []
+        self._jitter = random.Random()
         self._round = self._reported = 0
         self._notes: list[str] = []
         self.plan = plan
@@ -336,7 +340,10 @@ class ProbeSource:
             if self._round == self._reported:
                 return
             self._reported = self._round
+            # Every round finished since the last collect, not only the newest: with rounds as frequent as the
+            # samples, two could end between collects and one (its bulk transfer with it) was lost for good.
             out.probes.extend(self._latest)
+            self._latest = []
 
     def close(self) -> None:
         self._stop.set()
@@ -424,8 +431,13 @@ class ProbeSource:
                     log.exception("probes: round failed")
                     records = []
                 with self._lock:
-                    self._latest = records
+                    # Bounded: an agent whose sender is stuck keeps the newest rounds (records are per peer).
+                    self._latest = (self._latest + records)[-MAX_PENDING_RECORDS:]
                     self._round += 1
-                self._stop.wait(max(0.0, self.round_s - (time.monotonic() - started)))
+                # Each round lasts round_s ± 5 % at random: agents started together (a whole cluster rebooted, a
+                # DaemonSet rolled out) drift apart within minutes instead of probing in step for good, when their
+                # bulk transfers land on the same nodes at the same moment and each measures a share of a link.
+                period = self.round_s * self._jitter.uniform(0.95, 1.05)
+                self._stop.wait(max(0.0, period - (time.monotonic() - started)))
         finally:
             prober.close()

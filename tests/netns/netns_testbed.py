@@ -1,4 +1,4 @@
-"""A four-node cluster on one machine: network namespaces on a private bridge, an agent and a gloo DDP rank per node.
+"""A small cluster on one machine: network namespaces on private bridges, an agent and a gloo DDP rank per node.
 
     bed = Testbed(workdir)            # names carry this process's id, so a crashed run's leftovers are found
     bed.build()                       # 4 namespaces node-a..d (10.77.X.1-4), veths on a bridge (10.77.X.254)
@@ -7,11 +7,19 @@
     bed.add_delay("node-d", 30)       # faults: NFQUEUE delay on what enters a node, tbf rate limit, kill, stop
     bed.close()                       # every process, namespace, link (and so every qdisc and iptables rule)
 
-Nothing leaves the machine: the bridge has no uplink and the namespaces no default route; the server listens on
-the bridge's own address. Each process runs in its own UTS namespace named after its node, so agent and hooks
-both report the node's name (``socket.gethostname()``) as a real node would, and is bound to the life of the
-process that started it (``setpriv --pdeathsig KILL``): a test killed outright leaves no process behind, and
-:func:`remove_stale` takes down the namespaces and links a crashed run left.
+Two racks (``Testbed(workdir, racks=2, per_rack=4)``): node-a..d on rack-1's bridge, node-e..h on rack-2's, the two
+bridges joined by one veth pair, the *uplink* (``limit_uplink`` shapes it): every cross-rack pair crosses it, no
+intra-rack pair does. The nodes' data network (eth0, 10.77.X.0/24, the probes) is one broadcast domain across both
+racks; the agents post to the server over a separate management network (mgmt0 on a third bridge, 10.78.X.0/24,
+the server on 10.78.X.254), as on a real cluster's out-of-band network, so shaping the uplink slows the node-to-node
+traffic and never the agents' batches. Each agent reports its rack and leaf switch (``[topology]``).
+
+Nothing leaves the machine: the bridges have no uplink to the host's network and the namespaces no default route;
+the server listens on the host's own address on the bridge the agents post over (:attr:`Testbed.bridge_addr`).
+Each process runs in its own UTS namespace named after its node, so agent and hooks both report the node's name
+(``socket.gethostname()``) as a real node would, and is bound to the life of the process that started it
+(``setpriv --pdeathsig KILL``): a test killed outright leaves no process behind, and :func:`remove_stale` takes
+down the namespaces and links a crashed run left.
 
 Everything here is Django-free (plain subprocess and ``ip``/``tc``/``iptables``), so a benchmark can use it too.
 """
@@ -33,11 +41,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 PREFIX = "cdxt"  # + owner pid + node letter; interface names stay under IFNAMSIZ (15)
-NODES = ("a", "b", "c", "d")
+NODES = "abcdefghijklmnopqrstuvwxyz"  # node letters, in order
 PROBE_PORT = 8651
 HOOK_ADDR = "127.0.0.1:8650"
 MASTER_PORT = 29500
-_NAME = re.compile(rf"^{PREFIX}(\d+)(?:[a-d]h?|br)$")
+# What a testbed creates, after its prefix and owner pid: a node's namespace (letter), the host ends of its data and
+# management veths (letter + h / m), the bridge (br), the rack bridges (r1, r2...), the uplink's ends (u1, u2) and the
+# management bridge (mg). The namespace ends (letter + n / o) are renamed inside the namespace.
+_SUFFIX = r"(?:[a-z][hmno]?|br|r\d|u\d|mg)"
+_NAME = re.compile(rf"^{PREFIX}(\d+){_SUFFIX}$")
 TOOLS = ("ip", "tc", "iptables", "unshare", "setpriv", "cc")
 
 
@@ -115,9 +127,16 @@ def _bits(rate: str) -> int:
     return int(match.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[match.group(2)]
 
 
+def _tbf(rate: str) -> list[str]:
+    # The bucket must hold at least one timer tick of traffic at the rate, or the rate is never reached.
+    burst = max(32 << 10, _bits(rate) // 8 // 250)
+    return ["root", "tbf", "rate", rate, "burst", str(burst), "latency", "50ms"]
+
+
 def _free_subnet(seed: int) -> int:
-    """A 10.77.X.0/24 no interface on the host uses (two testbeds at once must not share routes)."""
-    used = set(re.findall(r"inet 10\.77\.(\d+)\.", run("ip", "-4", "-o", "addr", "show").stdout))
+    """An X such that no interface on the host uses 10.77.X.0/24 or 10.78.X.0/24 (the data and management networks;
+    two testbeds at once must not share routes)."""
+    used = set(re.findall(r"inet 10\.7[78]\.(\d+)\.", run("ip", "-4", "-o", "addr", "show").stdout))
     for i in range(100):
         x = 100 + (seed + i) % 100
         if str(x) not in used:
@@ -131,6 +150,8 @@ class Node:
     ns: str
     addr: str
     veth: str  # the host end, on the bridge
+    rack: str = ""  # rack-1.. and its leaf switch leaf-1.. on a racked testbed; "" on the single bridge
+    switch: str = ""
     agent: subprocess.Popen[bytes] | None = None
     rank: subprocess.Popen[bytes] | None = None
     delay: subprocess.Popen[bytes] | None = None
@@ -139,18 +160,25 @@ class Node:
 class Testbed:
     __test__ = False  # a helper, not a test class (its name starts with "Test")
 
-    def __init__(self, workdir: Path, owner: int | None = None) -> None:
+    def __init__(self, workdir: Path, owner: int | None = None, *, racks: int = 1, per_rack: int = 4) -> None:
+        """``racks`` > 1: that many racks of ``per_rack`` nodes, a bridge each, joined through the uplink (two racks:
+        one veth pair; more would need a spine this bed does not model)."""
+        if not 1 <= racks <= 2 or not 1 <= racks * per_rack <= len(NODES):
+            raise ValueError(f"racks={racks}, per_rack={per_rack}: one or two racks of at most {len(NODES)} nodes")
         self.workdir = workdir
         self.tag = f"{PREFIX}{owner or os.getpid()}"
+        self.racks, self.per_rack = racks, per_rack
         self.subnet = 0
-        self.bridge = f"{self.tag}br"
+        self.bridge = f"{self.tag}br" if racks == 1 else f"{self.tag}mg"  # the one the agents post over
+        self.uplink = (f"{self.tag}u1", f"{self.tag}u2") if racks == 2 else None
         self.nodes: list[Node] = []
         self.procs: list[subprocess.Popen[bytes]] = []
         self.built: list[tuple[str, str]] = []  # ("netns" | "link", name), in creation order
 
     @property
     def bridge_addr(self) -> str:
-        return f"10.77.{self.subnet}.254"
+        """The host's address on the bridge the agents post over: where the server listens."""
+        return f"10.77.{self.subnet}.254" if self.racks == 1 else f"10.78.{self.subnet}.254"
 
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
@@ -161,25 +189,46 @@ class Testbed:
         can copy, so on a busy two-core machine a bulk probe measures the scheduler, not the link; shaped, the link
         is the bottleneck, as on a real cluster, and a fault is a change of one node's rate."""
         self.subnet = _free_subnet(os.getpid())
-        run("ip", "link", "add", self.bridge, "type", "bridge")
-        self.built.append(("link", self.bridge))
-        run("ip", "addr", "add", f"{self.bridge_addr}/24", "dev", self.bridge)
-        run("ip", "link", "set", self.bridge, "up")
-        for i, letter in enumerate(NODES, start=1):
-            node = Node(f"node-{letter}", f"{self.tag}{letter}", f"10.77.{self.subnet}.{i}", f"{self.tag}{letter}h")
+        self._bridge(self.bridge, self.bridge_addr)
+        racks = [self.bridge] if self.racks == 1 else [self._bridge(f"{self.tag}r{r}") for r in (1, 2)]
+        if self.uplink:
+            # The uplink: a veth pair between the rack bridges. tbf on one end shapes what crosses towards the other
+            # rack, so shaping both ends slows every cross-rack pair both ways, and no pair inside a rack.
+            run("ip", "link", "add", self.uplink[0], "type", "veth", "peer", "name", self.uplink[1])
+            self.built.append(("link", self.uplink[0]))
+            for end, bridge in zip(self.uplink, racks, strict=True):
+                run("ip", "link", "set", end, "master", bridge, "up")
+        for i, letter in enumerate(NODES[:self.racks * self.per_rack], start=1):
+            rack = (i - 1) // self.per_rack + 1
+            node = Node(f"node-{letter}", f"{self.tag}{letter}", f"10.77.{self.subnet}.{i}", f"{self.tag}{letter}h",
+                        *((f"rack-{rack}", f"leaf-{rack}") if self.racks > 1 else ("", "")))
             run("ip", "netns", "add", node.ns)
             self.built.append(("netns", node.ns))
-            run("ip", "link", "add", node.veth, "type", "veth", "peer", "name", f"{self.tag}{letter}n")
-            self.built.append(("link", node.veth))
-            run("ip", "link", "set", f"{self.tag}{letter}n", "netns", node.ns)
-            run("ip", "link", "set", node.veth, "master", self.bridge, "up")
-            run("ip", "-n", node.ns, "link", "set", f"{self.tag}{letter}n", "name", "eth0")
-            run("ip", "-n", node.ns, "addr", "add", f"{node.addr}/24", "dev", "eth0")
-            run("ip", "-n", node.ns, "link", "set", "eth0", "up")
+            self._veth(node, node.veth, f"{self.tag}{letter}n", racks[rack - 1], "eth0", node.addr)
+            if self.racks > 1:
+                self._veth(node, f"{self.tag}{letter}m", f"{self.tag}{letter}o", self.bridge, "mgmt0",
+                           f"10.78.{self.subnet}.{i}")
             run("ip", "-n", node.ns, "link", "set", "lo", "up")
             self.nodes.append(node)
             if link_rate:
                 self.limit_rate(node.name, link_rate)
+
+    def _bridge(self, name: str, addr: str | None = None) -> str:
+        run("ip", "link", "add", name, "type", "bridge")
+        self.built.append(("link", name))
+        if addr:
+            run("ip", "addr", "add", f"{addr}/24", "dev", name)
+        run("ip", "link", "set", name, "up")
+        return name
+
+    def _veth(self, node: Node, host_end: str, ns_end: str, bridge: str, ifname: str, addr: str) -> None:
+        run("ip", "link", "add", host_end, "type", "veth", "peer", "name", ns_end)
+        self.built.append(("link", host_end))
+        run("ip", "link", "set", ns_end, "netns", node.ns)
+        run("ip", "link", "set", host_end, "master", bridge, "up")
+        run("ip", "-n", node.ns, "link", "set", ns_end, "name", ifname)
+        run("ip", "-n", node.ns, "addr", "add", f"{addr}/24", "dev", ifname)
+        run("ip", "-n", node.ns, "link", "set", ifname, "up")
 
     def close(self) -> None:
         """Every process, then every namespace (their veths, qdiscs and iptables rules go with them), then links."""
@@ -199,7 +248,7 @@ class Testbed:
     def leftovers(self) -> list[str]:
         """Namespaces and links of this testbed still present (for the tests' cleanup check)."""
         names = run("ip", "netns", "list", check=False).stdout + run("ip", "-o", "link", "show", check=False).stdout
-        return sorted(set(re.findall(rf"\b{self.tag}(?:[a-d]h?|br)\b", names)))
+        return sorted(set(re.findall(rf"\b{self.tag}{_SUFFIX}\b", names)))
 
     # -- processes --------------------------------------------------------------------------------------------------
     def spawn(self, node: Node, argv: list[str], log: str, env: dict[str, str] | None = None,
@@ -218,20 +267,43 @@ class Testbed:
         path = self.workdir / name
         return path.read_text(errors="replace")[-tail:] if path.exists() else ""
 
-    def start_agents(self, server: str, token: str, interval_s: float = 0.5) -> None:
+    def start_agents(self, server: str, token: str, interval_s: float = 0.5,
+                     probes: dict[str, float | int] | None = None, ib_roots: dict[str, Path] | None = None) -> None:
+        """``probes``: settings of the probes source over the testbed's (``{"bulk_bytes": 0}``: pings only).
+        ``ib_roots``: node -> a stand-in ``/sys/class/infiniband`` tree its IB source reads (the source is off on the
+        others: the namespaces have no HCA)."""
         token_file = self.workdir / "token"
         token_file.write_text(token)
         token_file.chmod(0o600)
         for node in self.nodes:
             config = self.workdir / f"{node.name}.agent.toml"
-            config.write_text(self._agent_config(node, server, token_file, interval_s))
+            text = self._agent_config(node, server, token_file, interval_s, probes or {})
+            if node.name in (ib_roots or {}):
+                text = text.replace("[sources.ib]\nenabled = false", f'[sources.ib]\nroot = "{(ib_roots or {})[node.name]}"')
+            config.write_text(text)
             node.agent = self.spawn(node, [sys.executable, "-m", "clusterdx", "agent", "--config", str(config)],
                                     f"{node.name}.agent.log")
 
-    def _agent_config(self, node: Node, server: str, token_file: Path, interval_s: float) -> str:
+    def _agent_config(self, node: Node, server: str, token_file: Path, interval_s: float,
+                      probes: dict[str, float | int] | None = None) -> str:
+        # Every other node is a static peer: a full mesh (seven peers at eight nodes, one round each second). The
+        # server's plan (same leaf + a cross-leaf sample rotating each minute) would take minutes to reach a given
+        # cross-rack pair here, and needs host names the namespaces can resolve.
         peers = [f"{n.name}={n.addr}:{PROBE_PORT}" for n in self.nodes]
         # Short probe rounds and a bulk transfer every second: a slow link is named within seconds, and the bulk
-        # traffic (4 MiB per node per second, the default size) stays far below what the veths carry.
+        # traffic (4 MiB per node per second, the default size) stays far below what the veths carry. Two racks:
+        # every 3 s. Agents started together probe in step, each sending its n-th transfer to its n-th peer, so at
+        # eight nodes several transfers arrive at one node at once and each measures a share of its 1 Gb/s: every
+        # second, some node was named narrow within minutes (benchmarks/testbed_healthy.py), every 3 s none was.
+        # 4 MiB stays well above the links' tbf bucket (500 KB at 1 Gb/s), which a small transfer measures instead.
+        # ... and each node's round a little longer than the one before: agents started together otherwise probe in
+        # the same 30 ms of every second for good, and two of them sending to one node measure half its link each
+        # time (detectors/paths.py leaves such contended transfers out; the node rule does not yet).
+        round_s = 1.0 if self.racks == 1 else round(1.0 + 0.013 * self.nodes.index(node), 3)
+        settings: dict[str, float | int] = {"round_s": round_s, "pings_per_peer": 4, "timeout_s": 1.0, "max_round_s": 3.0,
+                                            "bulk_bytes": 4 << 20, "bulk_period_s": 1.0 if self.racks == 1 else 3.0,
+                                            "bulk_timeout_s": 5.0, **(probes or {})}
+        topology = [f'[topology]\nrack = "{node.rack}"\nswitch = "{node.switch}"'] if node.rack else []
         return "\n".join([
             f'server = "{server}"', f'token_file = "{token_file}"', f'agent_id = "{node.name}"',
             f'host = "{node.name}"', f"interval_s = {interval_s}",
@@ -241,47 +313,55 @@ class Testbed:
             f'[sources.hooks]\naddr = "{HOOK_ADDR}"',
             "[sources.host]",
             "[sources.probes]", f"peers = {json.dumps(peers)}", f'self_name = "{node.name}"',
-            f'listen_host = "{node.addr}"', f"port = {PROBE_PORT}", "round_s = 1.0", "pings_per_peer = 4",
-            "timeout_s = 1.0", "max_round_s = 3.0", f"bulk_bytes = {4 << 20}", "bulk_period_s = 1.0",
-            "bulk_timeout_s = 5.0", "",
+            f'listen_host = "{node.addr}"', f"port = {PROBE_PORT}", *(f"{k} = {v}" for k, v in settings.items()),
+            *topology, "",
         ])
 
-    def start_job(self, run_name: str, *, compute_s: float = 0.05, collective_timeout_s: float = 120.0) -> None:
-        """One rank per node, rank i on the i-th node, rank 0 (the rendezvous) on node-a."""
+    def start_job(self, run_name: str, *, compute_s: float = 0.05, collective_timeout_s: float = 120.0,
+                  env: dict[int, dict[str, str]] | None = None) -> None:
+        """One rank per node, rank i on the i-th node, rank 0 (the rendezvous) on node-a. ``env``: extra variables
+        by rank (an NCCL_* setting the hooks report as the rank's run metadata)."""
         for rank, node in enumerate(self.nodes):
-            env = {"RANK": str(rank), "WORLD_SIZE": str(len(self.nodes)), "LOCAL_RANK": "0",
-                   "MASTER_ADDR": self.nodes[0].addr, "MASTER_PORT": str(MASTER_PORT), "GLOO_SOCKET_IFNAME": "eth0",
-                   "CLUSTERDX_AGENT_ADDR": HOOK_ADDR, "CLUSTERDX_RUN": run_name, "CLUSTERDX_HOOK_TRANSPORT": "agent"}
+            rank_env = {"RANK": str(rank), "WORLD_SIZE": str(len(self.nodes)), "LOCAL_RANK": "0",
+                        "MASTER_ADDR": self.nodes[0].addr, "MASTER_PORT": str(MASTER_PORT),
+                        "GLOO_SOCKET_IFNAME": "eth0", "CLUSTERDX_AGENT_ADDR": HOOK_ADDR, "CLUSTERDX_RUN": run_name,
+                        "CLUSTERDX_HOOK_TRANSPORT": "agent", **(env or {}).get(rank, {})}
             argv = [sys.executable, str(HERE / "netns_rank.py"), "--compute-s", str(compute_s),
                     "--slow-file", str(self.workdir / "slow-data.rank{rank}"),
                     "--collective-timeout-s", str(collective_timeout_s)]
-            node.rank = self.spawn(node, argv, f"{node.name}.rank.log", env=env)
+            node.rank = self.spawn(node, argv, f"{node.name}.rank.log", env=rank_env)
 
     # -- faults -----------------------------------------------------------------------------------------------------
-    def add_delay(self, name: str, delay_ms: float, program: Path, queue: int = 0) -> None:
+    def add_delay(self, name: str, delay_ms: float, program: Path, queue: int = 0, source: str | None = None) -> None:
         """Hold every packet *entering* the node for ``delay_ms`` (holding outgoing ones would count against the
         sender's socket buffer and collapse its throughput instead of adding latency). ``--queue-bypass``: without
-        the program, packets pass undelayed."""
+        the program, packets pass undelayed. ``source``: only what that node sends in (one path: both directions of
+        the pair's round trip are delayed, every other pair of both nodes stays fast)."""
         node = self.node(name)
-        node.delay = self.spawn(node, [str(program), str(queue), str(delay_ms)], f"{node.name}.delay.log",
-                                stdin=subprocess.PIPE)
+        log = f"{node.name}.delay{queue}.log"
+        node.delay = self.spawn(node, [str(program), str(queue), str(delay_ms)], log, stdin=subprocess.PIPE)
         deadline = time.monotonic() + 10
-        while "ready" not in self.log(f"{node.name}.delay.log"):
+        while "ready" not in self.log(log):
             if node.delay.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"nfq_delay did not start: {self.log(f'{node.name}.delay.log')}")
+                raise RuntimeError(f"nfq_delay did not start: {self.log(log)}")
             time.sleep(0.02)
-        run("ip", "netns", "exec", node.ns, "iptables", "-A", "INPUT", "-i", "eth0", "-j", "NFQUEUE",
+        match = ["-s", self.node(source).addr] if source else []
+        run("ip", "netns", "exec", node.ns, "iptables", "-A", "INPUT", "-i", "eth0", *match, "-j", "NFQUEUE",
             "--queue-num", str(queue), "--queue-bypass")
 
     def limit_rate(self, name: str, rate: str = "100mbit") -> None:
         """tbf both ways: the bridge end of the veth shapes what enters the node, the namespace end what leaves.
         Replaces the link's rate if it has one."""
         node = self.node(name)
-        # The bucket must hold at least one timer tick of traffic at the rate, or the rate is never reached.
-        burst = max(32 << 10, _bits(rate) // 8 // 250)
-        tbf = ["root", "tbf", "rate", rate, "burst", str(burst), "latency", "50ms"]
-        run("tc", "qdisc", "replace", "dev", node.veth, *tbf)
-        run("ip", "netns", "exec", node.ns, "tc", "qdisc", "replace", "dev", "eth0", *tbf)
+        run("tc", "qdisc", "replace", "dev", node.veth, *_tbf(rate))
+        run("ip", "netns", "exec", node.ns, "tc", "qdisc", "replace", "dev", "eth0", *_tbf(rate))
+
+    def limit_uplink(self, rate: str = "100mbit") -> None:
+        """tbf on both ends of the uplink between the racks: every cross-rack pair shares ``rate`` each way."""
+        if not self.uplink:
+            raise RuntimeError("a single-bridge testbed has no uplink (Testbed(..., racks=2))")
+        for end in self.uplink:
+            run("tc", "qdisc", "replace", "dev", end, *_tbf(rate))
 
     def slow_loader(self, rank: int, delay_s: float) -> None:
         """From now on, rank ``rank``'s DataLoader takes ``delay_s`` per batch (a slow filesystem behind it)."""
@@ -293,3 +373,12 @@ class Testbed:
         rank = self.node(name).rank
         assert rank is not None and rank.poll() is None, f"the rank on {name} is not running"
         os.kill(rank.pid, sig)
+
+    def cut_off(self, name: str) -> None:
+        """Take the node's links down at the switch side (the bridge ends of its veths), as a pulled cable or a dead
+        switch port does: the node's interfaces lose carrier, its processes keep running, and nothing it sends or
+        is sent reaches anyone (no reset, no ICMP: its peers only see timeouts)."""
+        node = self.node(name)
+        ends = [node.veth] + ([node.veth[:-1] + "m"] if self.racks > 1 else [])
+        for end in ends:
+            run("ip", "link", "set", end, "down")

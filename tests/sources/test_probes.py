@@ -197,3 +197,22 @@ def _recv(sock: socket.socket, n: int) -> bytes:
         pass
     return data
 
+
+
+def test_every_round_finished_between_two_collects_is_reported(responders: list[Responder]) -> None:
+    """A slow collect (or rounds as frequent as samples) must not lose a round: each is reported once."""
+    source = ProbeSource(peers=_peers(responders[:1]), **FAST)
+    assert source.start() is None
+    try:
+        deadline = time.monotonic() + 10
+        while source._round < 3 and time.monotonic() < deadline:  # three rounds, none collected yet
+            time.sleep(0.01)
+        out = Collected()
+        source.collect(time.time(), out)
+        again = Collected()
+        source.collect(time.time(), again)
+    finally:
+        source.close()
+    assert len(out.probes) >= 3, out.probes
+    assert len({p["ts"] for p in out.probes}) == len(out.probes), "each round once"
+    assert not {p["ts"] for p in again.probes} & {p["ts"] for p in out.probes}

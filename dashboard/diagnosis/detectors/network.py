@@ -116,6 +116,26 @@ def nodes_down(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) -> list
     return out
 
 
+# Two bulk transfers into one node that end this close together ran at the same time and shared its link: each
+# measured a share of it, which says nothing about the path (agents started together probe in step, so on eight
+# nodes with a transfer each second this happened every few seconds). A rate-limited path slows a lone transfer too.
+CONTENDED_S = 0.25
+
+
+def contended(w: Window) -> np.ndarray:
+    """Per probe row: a bulk transfer that shared its receiving node with another one (:data:`CONTENDED_S`)."""
+    p = w.probes
+    out = np.zeros(len(p), dtype=bool)
+    rows = np.nonzero(~np.isnan(p["bw_gbps"]))[0]
+    if len(rows) < 2:
+        return out
+    rows = rows[np.lexsort((p["ts"][rows], p["peer"][rows]))]
+    close = (p["peer"][rows][1:] == p["peer"][rows][:-1]) & (np.diff(p["ts"][rows]) < CONTENDED_S)
+    out[rows[1:][close]] = True
+    out[rows[:-1][close]] = True
+    return out
+
+
 # -- links ---------------------------------------------------------------------------------------------------------
 
 def _bad_pairs(w: Window, t: Thresholds, down: set[int]) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:

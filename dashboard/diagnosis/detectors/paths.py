@@ -11,7 +11,12 @@ The probes form a mesh of pairs. A fault shows as a *pattern* of bad pairs, and 
 
 A pair is judged on its newest few probes (either direction), so one late ping does not name a path; the RTT bar is
 the one :mod:`network` uses (a multiple of the cluster's quiet RTT and an absolute margin, a wider one when either
-end's CPU is saturated, since user-space pings then wait for the scheduler). Pure numpy, no Django.
+end's CPU is saturated, since user-space pings then wait for the scheduler).
+
+A rate-limited uplink adds no idle RTT at all: only bulk transfers show it. So a leaf is also judged on the bulk
+transfers that touched it in its last few seconds of them: those that leave it mostly narrow (under ``bw_ratio`` of
+the transfers inside the leaves), those inside it fine. Transfers that shared their receiving node with another
+(:func:`contended`) are left out: each measured a share of that node's link, not its path. Pure numpy, no Django.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from dashboard.diagnosis.detectors.base import Detection, Thresholds, rnd
-from dashboard.diagnosis.detectors.network import report_intervals
+from dashboard.diagnosis.detectors.network import contended, report_intervals
 from dashboard.diagnosis.detectors.window import Window
 
 
@@ -197,6 +202,7 @@ class _Side:
     nodes: list[int]
     cross: np.ndarray  # pair positions with one end inside, one outside
     inside: np.ndarray
+    narrow: dict[str, Any] | None = None  # flagged on bulk bandwidth (_Bulk.narrow_uplink), not on RTT or loss
 
 
 def _switches(w: Window, t: Thresholds, mesh: Pairs) -> list[Detection]:
@@ -210,6 +216,7 @@ def _switches(w: Window, t: Thresholds, mesh: Pairs) -> list[Detection]:
         code[x] = names.index(g)
     ga, gb = code[mesh.a], code[mesh.b]
     mostly = mesh.mostly_bad
+    bulk = _Bulk.of(w, code, mesh)
     sides, flagged = {}, []
     for i, g in enumerate(names):
         in_a, in_b = ga == i, gb == i
@@ -218,14 +225,90 @@ def _switches(w: Window, t: Thresholds, mesh: Pairs) -> list[Detection]:
         sides[g] = side
         if _uplink_bad(t, mesh, mostly, side):
             flagged.append(g)
+        elif bulk is not None and (narrow := bulk.narrow_uplink(t, i)) is not None:
+            side.narrow = narrow
+            flagged.append(g)
     if not flagged:
         return []
-    measured = [g for g, s in sides.items() if len(s.cross)]
+    measured = [g for g, s in sides.items() if len(s.cross) or (bulk is not None and bulk.crosses(names.index(g)))]
+    if len(measured) == 2 and len(flagged) == 1 and sides[flagged[0]].narrow is not None:
+        # Two groups share every cross transfer: the other group's check failed on its own inside transfers (one
+        # of them contended at that moment), not on the uplink, which is the same one.
+        other = next(g for g in measured if g != flagged[0])
+        sides[other].narrow, flagged = sides[flagged[0]].narrow, measured
     if len(flagged) >= 2 and set(flagged) == set(measured):
         # Every group's way out is slow: two racks cannot tell their uplinks apart, and all racks at once is the
         # spine (or every uplink), not one leaf.
-        return [_switch_detection(w, by, [sides[g] for g in flagged], mesh)]
-    return [_switch_detection(w, by, [sides[g]], mesh) for g in flagged]
+        return [_switch_detection(w, by, [sides[g] for g in flagged], mesh, bulk)]
+    return [_switch_detection(w, by, [sides[g]], mesh, bulk) for g in flagged]
+
+
+@dataclass
+class _Bulk:
+    """The bulk transfers of the window between placed nodes: their rows, ends' group codes and bandwidth."""
+
+    rows: np.ndarray  # into w.probes
+    src: np.ndarray  # node index of each end
+    dst: np.ndarray
+    ga: np.ndarray  # group code of each end
+    gb: np.ndarray
+    sec: np.ndarray  # whole second of each
+    bw: np.ndarray
+    inside_bw: float  # the typical transfer inside a group: what a healthy path moves here
+
+    @classmethod
+    def of(cls, w: Window, code: np.ndarray, mesh: Pairs) -> _Bulk | None:
+        p = w.probes
+        bw = p["bw_gbps"]
+        src, dst = p["node"], p["peer"]
+        use = ~np.isnan(bw) & (src >= 0) & (dst >= 0) & (src != dst)
+        ends = np.union1d(mesh.a, mesh.b)  # nodes the mesh judges (down and quiet ones left out)
+        use &= np.isin(src, ends) & np.isin(dst, ends)
+        rows = np.nonzero(use & ~contended(w))[0]
+        placed = (code[src[rows].astype(int)] >= 0) & (code[dst[rows].astype(int)] >= 0)
+        rows = rows[placed]
+        a, b = src[rows].astype(int), dst[rows].astype(int)
+        ga, gb = code[a], code[b]
+        inside = bw[rows][ga == gb]
+        if not len(inside):
+            return None
+        # The upper quartile: a transfer only ever comes out slower than its path (a busy CPU, another transfer to
+        # the same node at that moment), never faster.
+        return cls(rows, a, b, ga, gb, np.floor(p["ts"][rows]), bw[rows], float(np.percentile(inside, 75)))
+
+    def crosses(self, g: int) -> bool:
+        return bool(np.any((self.ga == g) != (self.gb == g)))
+
+    def narrow_uplink(self, t: Thresholds, g: int) -> dict[str, Any] | None:
+        """The evidence when group ``g``'s transfers to other groups, in their newest few seconds, are mostly narrow
+        while its newest ones inside it are fine, from several of its nodes to several outside; else None."""
+        cross = self._newest(t, (self.ga == g) != (self.gb == g))
+        if cross.sum() < 3:
+            return None
+        # The inside transfers of the same seconds: a starved CPU or a burst of colliding transfers slows those too,
+        # a slow uplink does not. Only when there are none (each node sends to its peers in turn, so a leaf's nodes
+        # may all be sending out of it for those seconds), its newest ones wherever they are in the window.
+        inside_all = (self.ga == g) & (self.gb == g)
+        inside = inside_all & (self.sec >= self.sec[cross].min())
+        if not inside.any():
+            inside = self._newest(t, inside_all)
+        if not inside.any():
+            return None
+        bar = t.bw_ratio * self.inside_bw
+        narrow = self.bw < bar
+        if narrow[cross].mean() < t.node_bad_frac or narrow[inside].mean() > 1 - t.node_bad_frac:
+            return None
+        bad = cross & narrow
+        # Several of its nodes, towards several outside nodes: one node's NIC or one far node is not a switch.
+        ends = np.concatenate([self.src[bad], self.dst[bad]])
+        mine = np.concatenate([self.ga[bad], self.gb[bad]]) == g
+        if len(np.unique(ends[mine])) < 2 or len(np.unique(ends[~mine])) < 2:
+            return None
+        return {"rows": self.rows[cross], "inside_rows": self.rows[inside], "bad": self.rows[bad]}
+
+    def _newest(self, t: Thresholds, which: np.ndarray) -> np.ndarray:
+        """``which`` narrowed to its newest ``link_buckets`` seconds."""
+        return which & np.isin(self.sec, np.unique(self.sec[which])[-t.link_buckets:])
 
 
 def _uplink_bad(t: Thresholds, mesh: Pairs, mostly: np.ndarray, side: _Side) -> bool:
@@ -241,7 +324,7 @@ def _uplink_bad(t: Thresholds, mesh: Pairs, mostly: np.ndarray, side: _Side) -> 
     return len(inner) >= 2 and len(ends - inner) >= 2
 
 
-def _switch_detection(w: Window, by: str, sides: list[_Side], mesh: Pairs) -> Detection:
+def _switch_detection(w: Window, by: str, sides: list[_Side], mesh: Pairs, bulk: _Bulk | None) -> Detection:
     p = w.probes
     names = [s.group for s in sides]
     cross = np.unique(np.concatenate([s.cross for s in sides]))
@@ -252,12 +335,23 @@ def _switch_detection(w: Window, by: str, sides: list[_Side], mesh: Pairs) -> De
     loss = float(np.nansum(p["lost"][cross_rows]) / max(1.0, float(np.nansum(p["sent"][cross_rows]))))
     hosts = sorted(w.nodes[x] for s in sides for x in s.nodes)
     mostly = mesh.mostly_bad
-    what = (f"{loss:.0%} probe loss" if loss >= 0.2 else f"RTT {cross_rtt:.2f} ms") + \
-        f" on pairs that leave it vs {inside_rtt:.2f} ms inside"
+    narrow = [s.narrow for s in sides if s.narrow is not None]
+    bw = _bandwidth(w, narrow, bulk)
+    if len(narrow) == len(sides):
+        # Flagged on bulk bandwidth alone (a rate limit adds no idle RTT): the transfers are the evidence.
+        what = f"bulk bandwidth {bw['bw_gbps']:.2f} Gb/s on transfers that leave it vs {bw['inside_bw_gbps']:.2f} " \
+            "Gb/s inside"
+        share = f"{bw['cross_bad_frac']:.0%} of the bulk transfers"
+        cross_rows = np.unique(np.concatenate([n["rows"] for n in narrow]))
+        inside_rows = np.unique(np.concatenate([n["inside_rows"] for n in narrow]))
+    else:
+        what = (f"{loss:.0%} probe loss" if loss >= 0.2 else f"RTT {cross_rtt:.2f} ms") + \
+            f" on pairs that leave it vs {inside_rtt:.2f} ms inside"
+        share = f"{mostly[cross].mean():.0%} of the pairs"
     if len(sides) == 1:
         subject = names[0]
         title = f"Slow uplink of {by} {subject}: {what}"
-        action = (f"{mostly[cross].mean():.0%} of the pairs from {by} {subject}'s {len(hosts)} nodes to other {by}es "
+        action = (f"{share} from {by} {subject}'s {len(hosts)} nodes to other {by}es "
                   f"are slow while the pairs inside it are fine: the nodes are healthy, their way out is not → check "
                   f"the leaf switch's uplinks to the spine (port counters and errors, a flapping or down uplink, "
                   "ECMP/adaptive routing, ibdiagnet on InfiniBand, PFC pause storms on RoCE); moving the run off "
@@ -274,11 +368,25 @@ def _switch_detection(w: Window, by: str, sides: list[_Side], mesh: Pairs) -> De
         {"metrics": {"layer": "switch_uplink", "grouped_by": by, "groups": names, "nodes": hosts,
                      "rtt_ms": rnd(cross_rtt), "inside_rtt_ms": rnd(inside_rtt),
                      "baseline_rtt_ms": rnd(mesh.baseline_rtt_ms), "loss": rnd(loss),
-                     "cross_pairs": len(cross), "cross_bad_frac": rnd(mostly[cross].mean()),
-                     "inside_pairs": len(inside), "inside_bad_frac": rnd(mostly[inside].mean())},
+                     "cross_pairs": len(cross), "cross_bad_frac": rnd(mostly[cross].mean() if len(cross) else None),
+                     "inside_pairs": len(inside), "inside_bad_frac": rnd(mostly[inside].mean() if len(inside) else None),
+                     **{k: rnd(v) for k, v in bw.items()}},
          "window": [rnd(np.nanmin(p["ts"][cross_rows])), rnd(np.nanmax(p["ts"][cross_rows]))],
          "series": {"pairs": _pair_rows(w, np.concatenate([cross_rows, inside_rows]))}},
         0.85)
+
+
+def _bandwidth(w: Window, narrow: list[dict[str, Any]], bulk: _Bulk | None) -> dict[str, float]:
+    """The bulk-bandwidth evidence of the groups flagged on it: transfers leaving them, inside them, the share narrow
+    (empty when none was flagged on bandwidth)."""
+    if not narrow or bulk is None:
+        return {}
+    bw = w.probes["bw_gbps"]
+    cross = np.unique(np.concatenate([n["rows"] for n in narrow]))
+    inside = np.unique(np.concatenate([n["inside_rows"] for n in narrow]))
+    bad = np.unique(np.concatenate([n["bad"] for n in narrow]))
+    return {"bw_gbps": float(np.median(bw[cross])), "inside_bw_gbps": float(np.median(bw[inside])),
+            "baseline_bw_gbps": bulk.inside_bw, "cross_bad_frac": len(bad) / len(cross)}
 
 
 def _median(x: np.ndarray) -> float:
