@@ -6,6 +6,7 @@ batches to the same window the server builds, then to the detectors, with the fi
     python benchmarks/diagnosis.py                      # 8 and 64 nodes x 3 seeds, 512 nodes x 1 seed, healthy hour
     python benchmarks/diagnosis.py --sizes 8 --seeds 5  # quicker
     python benchmarks/diagnosis.py --db-pass 512 2048   # also: passes against the database at 512 and 2,048 nodes
+    python benchmarks/diagnosis.py --sizes --healthy-sizes --big 0 --db-pass 2048 --db-live-s 30  # under ingest
 
 Scoring. Each case injects one fault; the expected finding is (kind, subject). A finding opened during the case
 with that key is a true positive; any other finding opened is a false positive (a consequence that should have been
@@ -242,10 +243,16 @@ def report(results: list[CaseResult], healthy: list[CaseResult]) -> dict[str, fl
 
 
 def db_pass(nodes: int, seconds: int, keep: bool = False, passes: int = 20, profile: bool = False,
-            ingest_s: int = 0) -> None:
+            ingest_s: int = 0, live_s: int = 0, every: int = 5, check: bool = False) -> None:
     """Feed ``seconds`` of a ``nodes``-node cluster through the real ingest writer and time the diagnosis pass.
     ``keep``: store into a cluster named ``bench-<nodes>-kept`` once and time the pass on it in later runs (with
-    ``CLUSTERDX_DATA_DIR`` or ``DATABASE_URL`` pointing at the same database), to iterate on the read alone."""
+    ``CLUSTERDX_DATA_DIR`` or ``DATABASE_URL`` pointing at the same database), to iterate on the read alone.
+
+    The pass process keeps its window between passes (dashboard.diagnosis.held): the first pass reads the whole
+    window (cold), the next ones only what was written since, which on a database nobody writes to is nothing.
+    ``live_s``: then go on storing the simulator's batches for that many seconds with a pass every ``every``
+    simulated seconds at the simulated time, as the server does under ingest (needs a cluster stored by this run);
+    ``check``: compare each of those windows with a fresh read of the database."""
     import tempfile
 
     if not os.environ.get("DATABASE_URL") and not (keep and os.environ.get("CLUSTERDX_DATA_DIR")):
@@ -260,6 +267,7 @@ def db_pass(nodes: int, seconds: int, keep: bool = False, passes: int = 20, prof
     from django.db.models import Max
 
     from clusterdx import wire
+    from dashboard.diagnosis import held
     from dashboard.diagnosis.tasks import run_pass
     from dashboard.ingest.writer import store_batch
     from dashboard.telemetry.models import Cluster, GpuSample
@@ -267,9 +275,10 @@ def db_pass(nodes: int, seconds: int, keep: bool = False, passes: int = 20, prof
     call_command("migrate", verbosity=0)
     name = f"bench-{nodes}-kept" if keep else f"bench-{nodes}-{int(time.time())}"
     cluster, _ = Cluster.objects.get_or_create(name=name)
+    sim, start = None, 0.0
     if not GpuSample.objects.filter(cluster=cluster).exists():  # new, or kept from a feed that failed
         scenario, _ = scenario_for(None, nodes, 8, 1)
-        start = time.time() - seconds - 5
+        start = time.time() - seconds - live_s - 5
         sim = SimCluster(scenario, start)
         a = time.perf_counter()
         for i in range(1, seconds + 1):
@@ -277,6 +286,7 @@ def db_pass(nodes: int, seconds: int, keep: bool = False, passes: int = 20, prof
                 store_batch(cluster, wire.validate_batch(b))
         print(f"db: stored {seconds} s of {nodes} nodes x 8 GPUs in {time.perf_counter() - a:.0f} s", flush=True)
     now = GpuSample.objects.filter(cluster=cluster).aggregate(last=Max("ts"))["last"].timestamp()
+    held.forget()
     took = []
     if profile:
         import cProfile
@@ -285,16 +295,63 @@ def db_pass(nodes: int, seconds: int, keep: bool = False, passes: int = 20, prof
         prof = cProfile.Profile()
         prof.runcall(run_pass, cluster, now)
         pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
+        held.forget()
     for _ in range(passes):
         res = run_pass(cluster, now)
         took.append(res.timings_s)
     backend = connection.vendor
-    for key in ("load", "detect", "reconcile", "total"):
-        vals = [tk[key] * 1000 for tk in took]
-        print(f"db pass ({backend}) at {nodes} nodes / {nodes * 8} GPUs: {key:<9} p50 {pct(vals, 0.5):7.0f} ms"
-              f"  p99 {pct(vals, 0.99):7.0f} ms  ({len(vals)} passes)", flush=True)
+    _print_passes(f"db pass ({backend}) at {nodes} nodes / {nodes * 8} GPUs, first (cold)", took[:1])
+    _print_passes(f"db pass ({backend}) at {nodes} nodes / {nodes * 8} GPUs, then (held, no new rows)", took[1:])
+    if live_s and sim is not None:
+        live = []
+        a = time.perf_counter()
+        for i in range(seconds + 1, seconds + live_s + 1):
+            for b in sim.tick(start + i):
+                store_batch(cluster, wire.validate_batch(b))
+            if (i - seconds) % every == 0:
+                res = run_pass(cluster, start + i)
+                live.append(res.timings_s)
+                if check:
+                    _check_held(cluster, start + i)
+        _print_passes(f"db pass ({backend}) at {nodes} nodes / {nodes * 8} GPUs, under ingest (every {every} s)",
+                      live)
+        print(f"  ({live_s} s stored beside them in {time.perf_counter() - a:.0f} s"
+              f"{'; every held window equal to a fresh read' if check else ''})", flush=True)
     if ingest_s:
         ingest_beside_pass(cluster, nodes, now, ingest_s)
+
+
+def _print_passes(what: str, took: list[dict[str, float]]) -> None:
+    if not took:
+        return
+    print(f"{what}:", flush=True)
+    for key in ("load", "detect", "reconcile", "total"):
+        vals = [tk[key] * 1000 for tk in took]
+        print(f"  {key:<9} p50 {pct(vals, 0.5):7.0f} ms  max {max(vals):7.0f} ms  ({len(vals)} passes)", flush=True)
+
+
+def _check_held(cluster: Any, now: float) -> None:
+    """The held window is the one a fresh read of the database gives (the rows, in any order)."""
+    import numpy as np
+
+    from dashboard.diagnosis import held
+    from dashboard.diagnosis.loader import load_window
+
+    def rows(w: Any, name: str) -> list[tuple[Any, ...]]:
+        t = getattr(w, name)
+        cols = [np.nan_to_num(t.num[c], nan=-1e300) for c in t.num]
+        order = np.lexsort(cols[::-1]) if len(t) else np.empty(0, dtype=int)
+        return sorted(zip(*(c[order].tolist() for c in cols), *(map(repr, t.obj[c][order]) for c in t.obj),
+                          strict=True))
+
+    kept = load_window(cluster, now, [])
+    keep = dict(held._series)
+    held.forget()
+    fresh = load_window(cluster, now, [])
+    for name in ("gpus", "ports", "probes", "steps"):
+        assert rows(kept, name) == rows(fresh, name), f"held {name} differ from a fresh read at {now}"
+    held._series.clear()
+    held._series.update(keep)
 
 
 def ingest_beside_pass(cluster: Any, nodes: int, now: float, seconds: int) -> None:
@@ -370,6 +427,10 @@ def main() -> int:
     p.add_argument("--db-passes", type=int, default=20, help="passes timed per size (p50 / p99)")
     p.add_argument("--db-keep", action="store_true", help="store once into a kept cluster and reuse it")
     p.add_argument("--db-profile", action="store_true", help="print a cProfile of one pass first")
+    p.add_argument("--db-live-s", type=int, default=0,
+                   help="then store this many more seconds with a pass every --db-every simulated seconds")
+    p.add_argument("--db-every", type=int, default=5, help="simulated seconds between passes under --db-live-s")
+    p.add_argument("--db-check", action="store_true", help="compare each --db-live-s window with a fresh read")
     p.add_argument("--db-ingest-s", type=int, default=0,
                    help="also store this many seconds of batches beside passes (none / thread / own process)")
     args = p.parse_args()
@@ -392,7 +453,8 @@ def main() -> int:
         print(f"pure detector pass at {size:4d} nodes: p50 {pct(ms, 0.5):6.1f} ms  p99 {pct(ms, 0.99):6.1f} ms")
     print(f"(pass every {args.interval:g} simulated s; wall time {time.perf_counter() - started:.0f} s)")
     for nodes in args.db_pass:
-        db_pass(nodes, args.db_seconds, args.db_keep, args.db_passes, args.db_profile, args.db_ingest_s)
+        db_pass(nodes, args.db_seconds, args.db_keep, args.db_passes, args.db_profile, args.db_ingest_s,
+                args.db_live_s, args.db_every, args.db_check)
     return 0
 
 

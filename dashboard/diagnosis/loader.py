@@ -3,18 +3,25 @@
 Every query is ``WHERE cluster_id = ? AND ts >= ?`` (the (cluster, ts) indexes) or, for steps, ``run_id = ? AND
 step > ?`` (the (run, step) index), so a pass reads the same amount of data whatever the retention. Rows are read
 with raw SQL returning epoch seconds: the ORM's datetime objects would cost more than everything else together.
+
+The big series (GPU, port and probe samples, steps) and the ranks' metas are kept by the pass's process from one
+pass to the next (:mod:`dashboard.diagnosis.held`): after the first pass, each reads only the rows written since
+(by id, from the primary key), which at 2,048 nodes is a few seconds' worth instead of the whole window.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import msgspec
 import numpy as np
 from django.db import connection
 from django.db.models import Max, Min
 
+from dashboard.diagnosis import held
 from dashboard.diagnosis.detectors.window import (
     GPU_NUM,
     GPU_OBJ,
@@ -55,6 +62,9 @@ def _json(v: Any) -> Any:
     return json.loads(v) if isinstance(v, str) else v
 
 
+_decode = msgspec.json.Decoder().decode
+
+
 def _rows(model: type, columns: list[str], where: str, params: list[Any]) -> list[tuple[Any, ...]]:
     sql = f"SELECT {', '.join(columns)} FROM {connection.ops.quote_name(model._meta.db_table)} WHERE {where}"
     with connection.cursor() as cur:
@@ -79,9 +89,17 @@ def _read(model: type, num: list[str], obj: list[str], where: str,
 def _objs(col: list[Any], decode: bool = True) -> np.ndarray:
     """JSON cells decoded once per distinct text: most rows repeat a handful of values ("[]", null, the same
     counters). Equal cells share one decoded object; the detectors only read them."""
-    memo: dict[Any, Any] = {}
     if not decode:
         return np.fromiter(col, dtype=object, count=len(col))
+    try:  # the distinct cells in one C-level pass, then a lookup per row (no Python call per row)
+        distinct = dict.fromkeys(col)
+    except TypeError:  # cells the driver decoded already (unhashable dicts, lists)
+        distinct = None
+    if distinct is not None:
+        for v in distinct:
+            distinct[v] = json.loads(v) if isinstance(v, str) else v
+        return np.fromiter(map(distinct.__getitem__, col), dtype=object, count=len(col))
+    memo: dict[Any, Any] = {}
 
     def dec(v: Any) -> Any:
         if not isinstance(v, str):
@@ -100,9 +118,9 @@ def _node_lut(by_id: dict[int, int]) -> np.ndarray:
     return lut
 
 
-def _known(mat: np.ndarray, objs: list[list[Any]], lut: np.ndarray) -> tuple[np.ndarray, list[list[Any]]]:
+def _known(mat: np.ndarray, objs: list[np.ndarray], lut: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     """Only the rows of nodes in this pass's inventory: a node that ingest created after the inventory was read (a
-    new agent at scale) waits for the next pass instead of failing this one."""
+    new agent at scale) waits for the next pass instead of failing this one (its rows stay held for that one)."""
     if not mat.shape[1]:
         return mat, objs
     ids = mat[0].astype(np.int64)
@@ -110,17 +128,16 @@ def _known(mat: np.ndarray, objs: list[list[Any]], lut: np.ndarray) -> tuple[np.
     ok[ok] = lut[ids[ok]] >= 0
     if ok.all():
         return mat, objs
-    keep = np.nonzero(ok)[0]
-    return mat[:, ok], [[col[i] for i in keep] for col in objs]
+    return mat[:, ok], [col[ok] for col in objs]
 
 
-def _table(mat: np.ndarray, objs: list[list[Any]], num: tuple[str, ...], obj: tuple[str, ...], lut: np.ndarray,
-           text: tuple[str, ...] = ()) -> Table:
-    """``mat`` rows in ``num`` order, the first one a node id (mapped to the node's index); the ``obj`` columns are
-    JSON, except those named in ``text``."""
+def _table(mat: np.ndarray, objs: list[np.ndarray], num: tuple[str, ...], obj: tuple[str, ...],
+           lut: np.ndarray) -> Table:
+    """``mat`` rows in ``num`` order, the first one a node id (mapped to the node's index); ``objs``: the ``obj``
+    columns, decoded."""
     out = {num[0]: lut[mat[0].astype(np.int64)]}
     out.update({c: mat[i] for i, c in enumerate(num) if i})
-    return Table(out, {c: _objs(v, c not in text) for c, v in zip(obj, objs, strict=True)})
+    return Table(out, dict(zip(obj, objs, strict=True)))
 
 
 def _since(cluster_id: int, now: float, span: float) -> tuple[str, list[Any]]:
@@ -130,6 +147,7 @@ def _since(cluster_id: int, now: float, span: float) -> tuple[str, list[Any]]:
 def load_window(cluster: m.Cluster, now: float, beats: list[dict[str, Any]] | None = None) -> Window:
     """``beats``: the ranks' latest beats when the caller has them (the pass's own process cannot see the embedded
     server's in-memory live state); by default read from the live state."""
+    held.scope(cluster.id, cluster.created_at)
     nodes_rows = list(m.Node.objects.filter(cluster=cluster).values_list("id", "hostname", "agent_id", "last_seen"))
     hostnames = sorted(h for _, h, _, _ in nodes_rows)
     index = {h: i for i, h in enumerate(hostnames)}
@@ -140,7 +158,7 @@ def load_window(cluster: m.Cluster, now: float, beats: list[dict[str, Any]] | No
     probes = _probes(cluster.id, now, lut, hostnames, index)
     runs, steps, losses = _runs(cluster, now)
     w = Window(now=now, nodes=hostnames, steps=steps, gpus=gpus, ports=ports, probes=probes,
-               events=_events(cluster.id, now), hosts=_hosts(cluster.id, now, by_id, hostnames), runs=runs,
+               events=_events(cluster.id, now), hosts=_hosts(cluster.id, now, by_id, hostnames, runs), runs=runs,
                last_heard={}, interconnect=cluster.nccl_interconnect(), gpu_bus=_gpu_bus(cluster), span=dict(SPANS))
     w.last_heard = _last_heard(w, nodes_rows, index, now)
     w.beats = get_state().beats(cluster.id) if beats is None else beats
@@ -174,24 +192,61 @@ def _nccl_state(cluster_id: int, runs: list[RunInfo]) -> list[dict[str, Any]]:
             for e in qs.values("ts", "node__hostname", "data")]
 
 
+def _held(model: type, key: str, cluster_id: int, now: float, num: list[str], obj: tuple[str, ...],
+          text: tuple[str, ...] = (), at: int = 1) -> held.Series:
+    """``cluster_id``'s rows of ``model`` in its ``SPANS[key]`` window, with an id column first: the rows the pass
+    process held from its last pass plus those written since (:mod:`dashboard.diagnosis.held`). ``at``: the index
+    of the ts column in ``num``."""
+    bound = _bound_epoch(now, SPANS[key])
+    bound_params = [connection.ops.adapt_datetimefield_value(_dt(now - SPANS[key]))]
+
+    def fetch(cond: str, extra: list[Any], fresh: bool) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        scope = "cluster_id = %s" if fresh else "cluster_id + 0 = %s"  # see held.read
+        mat, objs = _read(model, ["id", *num], list(obj), f"{scope} AND {cond}", [cluster_id, *extra])
+        return (mat[0].astype(np.int64), mat[1:],
+                [_objs(v, c not in text) for c, v in zip(obj, objs, strict=True)])
+
+    return held.read((key, cluster_id), at, bound, "ts >= %s", bound_params, fetch)
+
+
+_bounds: dict[tuple[Any, ...], dict[float, float]] = {}
+
+
+def _bound_epoch(now: float, span: float) -> float:
+    """The window's lower bound ``now - span`` as the database converts it to epoch seconds: the held rows are
+    trimmed with it, and must be what ``ts >= bound`` selects. SQLite's julianday() rounds to the millisecond, so a
+    sample stamped a few microseconds after the bound reads as ``bound - 0.0000x`` there: compared with the exact
+    float it would be dropped, where SQL keeps it. Asked once per pass for every span (one query; exact on
+    PostgreSQL without asking)."""
+    if connection.vendor == "postgresql":
+        return _dt(now - span).timestamp()
+    key = (connection.alias, connection.settings_dict["NAME"], now)
+    if key not in _bounds:
+        spans = sorted(set(SPANS.values()))
+        with connection.cursor() as cur:
+            cur.execute(f"SELECT {', '.join(_epoch('%s') for _ in spans)}",
+                        [connection.ops.adapt_datetimefield_value(_dt(now - s)) for s in spans])
+            got = cur.fetchone()
+        _bounds.clear()  # one pass's
+        _bounds[key] = dict(zip(spans, got, strict=True))
+    return _bounds[key][span]
+
+
 def _gpus(cluster_id: int, now: float, lut: np.ndarray) -> Table:
-    where, params = _since(cluster_id, now, SPANS["gpus"])
-    mat, objs = _known(*_read(m.GpuSample, ["node_id", "gpu_index", _epoch(), *GPU_NUM[3:]], list(GPU_OBJ), where,
-                              params), lut)
-    return _table(mat, objs, GPU_NUM, GPU_OBJ, lut)
+    s = _held(m.GpuSample, "gpus", cluster_id, now, ["node_id", "gpu_index", _epoch(), *GPU_NUM[3:]], GPU_OBJ, at=2)
+    return _table(*_known(s.mat, s.objs, lut), GPU_NUM, GPU_OBJ, lut)
 
 
 def _ports(cluster_id: int, now: float, lut: np.ndarray) -> Table:
-    where, params = _since(cluster_id, now, SPANS["ports"])
-    mat, objs = _known(*_read(m.PortSample, ["node_id", _epoch(), "port", "rate_gbps"], list(PORT_OBJ), where, params),
-                       lut)
-    return _table(mat, objs, PORT_NUM, PORT_OBJ, lut, text=("device", "state"))
+    s = _held(m.PortSample, "ports", cluster_id, now, ["node_id", _epoch(), "port", "rate_gbps"], PORT_OBJ,
+              text=("device", "state"))
+    return _table(*_known(s.mat, s.objs, lut), PORT_NUM, PORT_OBJ, lut)
 
 
 def _probes(cluster_id: int, now: float, lut: np.ndarray, hostnames: list[str], index: dict[str, int]) -> Table:
-    where, params = _since(cluster_id, now, SPANS["probes"])
-    mat, (peer,) = _known(*_read(m.Probe, ["node_id", _epoch(), "sent", "lost", "rtt_ms", "bw_gbps"], ["peer"], where,
-                                 params), lut)
+    s = _held(m.Probe, "probes", cluster_id, now, ["node_id", _epoch(), "sent", "lost", "rtt_ms", "bw_gbps"],
+              ("peer",), text=("peer",))
+    mat, (peer,) = _known(s.mat, s.objs, lut)
     names = sorted(set(peer))
     for name in names:
         if name not in index:  # a peer without an agent (an address, or a host we have not heard from)
@@ -207,7 +262,8 @@ def _probes(cluster_id: int, now: float, lut: np.ndarray, hostnames: list[str], 
     return table
 
 
-def _hosts(cluster_id: int, now: float, by_id: dict[int, int], hostnames: list[str]) -> dict[str, dict[str, Any]]:
+def _hosts(cluster_id: int, now: float, by_id: dict[int, int], hostnames: list[str],
+           runs: list[RunInfo]) -> dict[str, dict[str, Any]]:
     where, params = _since(cluster_id, now, SPANS["hosts"])
     out: dict[str, dict[str, Any]] = {}
     for node_id, ts, cpu, nfs in _rows(m.HostSample, ["node_id", _epoch(), "cpu_pct", "nfs"], where, params):
@@ -218,7 +274,29 @@ def _hosts(cluster_id: int, now: float, by_id: dict[int, int], hostnames: list[s
             out[host] = {"ts": ts, "cpu_pct": cpu, "nfs": nfs}
     for h in out.values():  # only the newest sample's mounts are decoded
         h["nfs"] = _json(h["nfs"])
+    # The interface lists answer one question (what NCCL_SOCKET_IFNAME can select on a node), asked only where a
+    # rank of an active run sets it.
+    wanted = {i.node for run in runs for i in run.ranks.values() if "NCCL_SOCKET_IFNAME" in (i.meta.get("env") or {})}
+    for node_id, interfaces in _interfaces(cluster_id, now) if wanted else []:
+        host = hostnames[by_id[node_id]] if node_id in by_id else None
+        if host in out:  # a node without a recent sample is down: its interfaces are not the question
+            out[host]["interfaces"] = interfaces
     return out
+
+
+# Agents send their interface list when it changes and at least every 5 minutes (collectors.sources.host); a list
+# older than this is from an agent that stopped sending one, and is not the node's any more.
+INTERFACES_SPAN = 3600.0
+
+
+def _interfaces(cluster_id: int, now: float) -> list[tuple[int, Any]]:
+    """(node id, its newest interface list): kept on the Node row by the ingest writer, so one small read (a row per
+    node) rather than a search of the 1 Hz host samples for the rare ones that carry a list. Read as text and
+    decoded by msgspec: the ORM's per-row JSON decoding was most of this read's time at 2,048 nodes."""
+    col = "interfaces::text" if connection.vendor == "postgresql" else "interfaces"
+    rows = _rows(m.Node, ["id", col], "cluster_id = %s AND interfaces_at >= %s AND interfaces IS NOT NULL",
+                 [cluster_id, connection.ops.adapt_datetimefield_value(_dt(now - INTERFACES_SPAN))])
+    return [(node_id, _decode(text)) for node_id, text in rows]
 
 
 def _events(cluster_id: int, now: float) -> list[dict[str, Any]]:
@@ -240,8 +318,7 @@ def _runs(cluster: m.Cluster, now: float) -> tuple[list[RunInfo], Table, dict[st
     infos = [RunInfo(r.name, r.world_size, dict(r.meta), {}, r.last_step,
                      r.last_step_at.timestamp() if r.last_step_at else None, id=r.id) for r in runs]
     by_run = {r.id: info for r, info in zip(runs, infos, strict=True)}
-    for run_id, rank, host, gpu, meta in m.Rank.objects.filter(run__in=runs).values_list(
-            "run_id", "rank", "node__hostname", "gpu_index", "meta"):
+    for run_id, rank, host, gpu, meta in _ranks(cluster.id, list(by_run)):
         by_run[run_id].ranks[rank] = RankInfo(host, gpu, meta or {})
     ckpts = (m.Event.objects.filter(cluster=cluster, kind="checkpoint", run__in=runs, step__isnull=False,
                                     ts__gte=_dt(now - SPANS["checkpoints"]))
@@ -254,12 +331,9 @@ def _runs(cluster: m.Cluster, now: float) -> tuple[list[RunInfo], Table, dict[st
     for i, r in enumerate(runs):
         if r.last_step is None:
             continue
-        mat, groups, metrics = _steps_and_losses(r.id, r.last_step, min(infos[i].ranks, default=0))
-        steps = mat[-1] == 0
-        part = {c: mat[k][steps] for k, c in enumerate(STEP_NUM[1:])}
-        parts.append({"run": np.full(len(part["rank"]), float(i)), **part})
-        objs.append(_objs([g for g, keep in zip(groups, steps, strict=True) if keep]))
-        loss = _losses(mat, metrics, ~steps)
+        s, loss = _steps_and_losses(cluster.id, r.id, r.last_step, min(infos[i].ranks, default=0))
+        parts.append({"run": np.full(s.mat.shape[1], float(i)), **{c: s.mat[k] for k, c in enumerate(STEP_NUM[1:])}})
+        objs.append(s.objs[0])
         if len(loss):
             losses[r.name] = loss
     if not parts:
@@ -268,31 +342,83 @@ def _runs(cluster: m.Cluster, now: float) -> tuple[list[RunInfo], Table, dict[st
                         {"groups": np.concatenate(objs) if objs else np.empty(0, dtype=object)}), losses
 
 
-def _steps_and_losses(run_id: int, last_step: int, loss_rank: int) -> tuple[np.ndarray, list[Any], list[Any]]:
-    """One query per run, two index range scans: every rank's last STEP_SPAN steps ((run, step); part 0) and the
-    loss of ``loss_rank``'s last LOSS_SPAN steps ((run, rank, step); part 1: the training loop's loss is the same on
-    every rank, or logged on rank 0 only). Returns the numeric rows (STEP_NUM[1:] then the part) and the groups and
-    metrics cells."""
+# (database, cluster) -> (when read, rank id -> (updated_at, meta))
+_rank_meta: dict[tuple[Any, ...], tuple[float, dict[int, tuple[float, dict[str, Any]]]]] = {}
+RANK_META_LATE_S = 60.0  # a rank row committed (or stamped by a server clock) this late is still seen changed
+
+
+def _ranks(cluster_id: int, run_ids: list[int]) -> list[tuple[int, int, str | None, int | None, dict[str, Any]]]:
+    """(run id, rank, host, GPU, meta) of the runs' ranks. A big run has a rank row per GPU and each meta is ~1 KB
+    of JSON: only the metas changed since the last pass (by ``updated_at``) are read and decoded, the others are
+    kept in this process."""
+    if not run_ids:
+        return []
+    key = (connection.alias, connection.settings_dict["NAME"], cluster_id)
+    read_at, held_meta = _rank_meta.get(key, (RANK_META_LATE_S, {}))
+    cutoff = _dt(read_at - RANK_META_LATE_S)
+    now = time.time()
+    q = connection.ops.quote_name
+    sql = (f"SELECT r.id, r.run_id, r.rank, n.hostname, r.gpu_index, {_epoch('r.updated_at')}, "
+           f"CASE WHEN r.updated_at >= %s THEN r.meta END FROM {q(m.Rank._meta.db_table)} r "
+           f"LEFT JOIN {q(m.Node._meta.db_table)} n ON n.id = r.node_id "
+           f"WHERE r.run_id IN ({', '.join(['%s'] * len(run_ids))})")
+    with connection.cursor() as cur:
+        cur.execute(sql, [connection.ops.adapt_datetimefield_value(cutoff), *run_ids])
+        rows = cur.fetchall()
+    metas: dict[int, tuple[float, dict[str, Any]]] = {}
+    missing = []
+    for rid, _, _, _, _, updated, meta in rows:
+        if meta is not None:
+            metas[rid] = (updated, _json(meta))
+        elif rid in held_meta and held_meta[rid][0] == updated:
+            metas[rid] = held_meta[rid]
+        else:  # changed before the cutoff but not held: committed late, or another database's row
+            missing.append(rid)
+    if missing:
+        for rid, updated, meta in _rows(m.Rank, ["id", _epoch("updated_at"), "meta"],
+                                         f"id IN ({', '.join(['%s'] * len(missing))})", missing):
+            metas[rid] = (updated, _json(meta))
+    _rank_meta[key] = (now, metas)
+    return [(run_id, rank, host, gpu, metas[rid][1] if rid in metas else {})
+            for rid, run_id, rank, host, gpu, _, _ in rows]
+
+
+def _steps_and_losses(cluster_id: int, run_id: int, last_step: int,
+                      loss_rank: int) -> tuple[held.Series, np.ndarray]:
+    """One query per run, two index range scans: every rank's last STEP_SPAN steps ((run, step); the rows this
+    process does not hold yet, :mod:`dashboard.diagnosis.held`) and the loss of ``loss_rank``'s last LOSS_SPAN steps
+    ((run, rank, step): the training loop's loss is the same on every rank, or logged on rank 0 only). Returns the
+    steps (numeric rows STEP_NUM[1:], the groups cells) and the (step, ts, loss) rows."""
     table = connection.ops.quote_name(m.StepSample._meta.db_table)
     nums = ["rank", "step", _epoch(), *STEP_NUM[4:]]
     blank = ", ".join(["NULL"] * len(STEP_NUM[4:]))
-    sql = (f"SELECT {', '.join(nums)}, 0, groups, NULL FROM {table} WHERE run_id = %s AND step > %s "
-           f"UNION ALL SELECT rank, step, {_epoch()}, {blank}, 1, NULL, metrics FROM {table} "
-           "WHERE run_id = %s AND rank = %s AND step > %s")
-    with connection.cursor() as cur:
-        cur.execute(sql, [run_id, last_step - STEP_SPAN, run_id, loss_rank, last_step - LOSS_SPAN])
-        rows = cur.fetchall()
-    k = len(nums) + 1
-    if not rows:
-        return np.empty((k, 0)), [], []
-    return np.array([r[:k] for r in rows], dtype=float).T, [r[k] for r in rows], [r[k + 1] for r in rows]
+    losses: list[np.ndarray] = []
+
+    def fetch(cond: str, params: list[Any], fresh: bool) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        scope = "run_id = %s" if fresh else "run_id + 0 = %s"  # see held.read
+        sql = (f"SELECT id, {', '.join(nums)}, 0, groups, NULL FROM {table} WHERE {scope} AND {cond} "
+               f"UNION ALL SELECT id, rank, step, {_epoch()}, {blank}, 1, NULL, metrics FROM {table} "
+               "WHERE run_id = %s AND rank = %s AND step > %s")
+        with connection.cursor() as cur:
+            cur.execute(sql, [run_id, *params, run_id, loss_rank, last_step - LOSS_SPAN])
+            rows = cur.fetchall()
+        k = len(nums) + 2
+        mat = np.array([r[:k] for r in rows], dtype=float).T if rows else np.empty((k, 0))
+        steps = mat[-1] == 0
+        losses[:] = [_losses(mat[1:, ~steps], [r[k + 1] for r, keep in zip(rows, steps, strict=True) if not keep])]
+        groups = [r[k] for r, keep in zip(rows, steps, strict=True) if keep]
+        return mat[0][steps].astype(np.int64), mat[1:-1, steps], [_objs(groups)]
+
+    s = held.read(("steps", cluster_id, run_id), 1, last_step - STEP_SPAN, "step > %s", [last_step - STEP_SPAN],
+                  fetch, strict=True)
+    return s, losses[0]
 
 
-def _losses(mat: np.ndarray, metrics: list[Any], rows: np.ndarray) -> np.ndarray:
-    """(step, ts, loss) rows, by step, from the loss part of :func:`_steps_and_losses`."""
+def _losses(mat: np.ndarray, metrics: list[Any]) -> np.ndarray:
+    """(step, ts, loss) rows, by step, from the loss part of :func:`_steps_and_losses` (``mat``: its numeric rows)."""
     out = []
-    for j in np.nonzero(rows)[0]:
-        loss = (_json(metrics[j]) or {}).get("loss")
+    for j, cell in enumerate(metrics):
+        loss = (_json(cell) or {}).get("loss")
         if isinstance(loss, int | float) and not isinstance(loss, bool):
             out.append((mat[1][j], mat[2][j], float(loss)))
     return np.array(sorted(out), dtype=float).reshape(-1, 3)

@@ -4,6 +4,10 @@ Per cluster: read a bounded recent window (:mod:`dashboard.diagnosis.loader`), r
 findings. Reading and computing happen outside any transaction (SQLite takes its write lock at BEGIN; ingest must
 not wait for a pass), only the reconcile writes. On PostgreSQL, a per-cluster advisory lock makes a second worker
 that picks up an overlapping tick skip that cluster instead of doing the same work twice.
+
+The process that runs a pass keeps its window for the next one (:mod:`dashboard.diagnosis.held`): its first pass
+reads the whole window, the next ones what was written since. A Celery worker process that takes only every other
+tick reads a longer delta, never a wrong one.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class Window:
     ports: Table
     probes: Table
     events: list[dict[str, Any]]
-    hosts: dict[str, dict[str, Any]]  # host -> latest host sample (cpu_pct, nfs, ts)
+    hosts: dict[str, dict[str, Any]]  # host -> latest host sample (cpu_pct, nfs, ts; interfaces: its newest list)
     runs: list[RunInfo]
     last_heard: dict[str, float]  # host -> newest timestamp of anything it sent (for every node we expect)
     interconnect: str = "ib"
