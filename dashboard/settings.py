@@ -227,7 +227,10 @@ CLUSTERDX = {
     "ROLLUP_1M_RETENTION_DAYS": env_float("CLUSTERDX_ROLLUP_1M_RETENTION_DAYS", 30.0, min=0.1),
     # An agent silent for this long is reported down.
     "HEARTBEAT_TIMEOUT_S": env_float("CLUSTERDX_HEARTBEAT_TIMEOUT_S", 15.0, min=1.0),
-    "DIAGNOSIS_INTERVAL_S": env_float("CLUSTERDX_DIAGNOSIS_INTERVAL_S", 5.0, min=0.5),
+    "DIAGNOSIS_INTERVAL_S": env_float("CLUSTERDX_DIAGNOSIS_INTERVAL_S", 2.0, min=0.5),
+    # A cluster's pass rests (1 / share - 1) times its own duration before the next: a large cluster's pass takes at
+    # most this share of a core instead of running back to back (dashboard.diagnosis.tasks.due).
+    "DIAGNOSIS_MAX_CPU_SHARE": env_float("CLUSTERDX_DIAGNOSIS_MAX_CPU_SHARE", 0.25, min=0.01),
     "GPU_HOUR_PRICE_USD": env_float("CLUSTERDX_GPU_HOUR_PRICE_USD", 2.5, min=0.0),
     # Outbound webhooks to private / loopback / link-local addresses are refused unless this is set.
     "ALERTS_ALLOW_PRIVATE": env_bool("CLUSTERDX_ALERTS_ALLOW_PRIVATE", False),

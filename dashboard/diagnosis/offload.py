@@ -132,7 +132,7 @@ async def diagnose() -> dict[str, float]:
     """The embedded scheduler's stand-in for :func:`dashboard.diagnosis.tasks.diagnose`: the same pass per active
     cluster, with the same result (cluster name -> seconds)."""
     from dashboard.diagnosis.lifecycle import reconcile
-    from dashboard.diagnosis.tasks import active_clusters, thresholds
+    from dashboard.diagnosis.tasks import active_clusters, due, paced, thresholds
     from dashboard.live.state import get_state
 
     now = time.time()
@@ -141,6 +141,8 @@ async def diagnose() -> dict[str, float]:
     took: dict[str, float] = {}
     loop = asyncio.get_running_loop()
     for cluster in clusters:
+        if not due(cluster.id):
+            continue
         executor = pool()
         t0 = time.perf_counter()
         try:
@@ -155,6 +157,8 @@ async def diagnose() -> dict[str, float]:
         except Exception:  # one cluster's bad data must not starve the others of their pass
             log.exception("diagnosis pass for cluster %s failed", cluster.name)
             continue
+        finally:
+            paced(cluster.id, time.perf_counter() - t0)
         took[cluster.name] = round(time.perf_counter() - t0, 4)
         metrics.DIAGNOSIS_SECONDS.observe(took[cluster.name])
         try:  # the overview page's first paint, computed off the server's GIL and database thread

@@ -153,10 +153,11 @@ def test_a_node_created_while_the_pass_reads_waits_for_the_next_pass(world: Worl
 
 
 @pytest.mark.django_db(transaction=True)  # the pass's own process reads what this one committed
-def test_the_embedded_pass_reads_in_its_own_process_and_survives_its_death(world: World) -> None:
+def test_the_embedded_pass_reads_in_its_own_process_and_survives_its_death(world: World, settings: Any) -> None:
     """Embedded, the scheduler runs the pass's read and detectors in a child process (so it never holds the server's
     GIL or database thread); the findings are reconciled here, and the child precomputes the overview page's first
     paint. A child that dies is replaced at the next pass."""
+    settings.CLUSTERDX = {**settings.CLUSTERDX, "DIAGNOSIS_MAX_CPU_SHARE": 1.0}  # no rest: a pass at every call
     import asyncio
     import os
     import signal
@@ -198,3 +199,17 @@ def test_the_embedded_pass_reads_in_its_own_process_and_survives_its_death(world
         offload.shutdown(wait=True)  # the child's connection closes before the test database is dropped
         # ... and so does the one of asgiref's thread that ran the reconcile
         asyncio.run(sync_to_async(connections.close_all, thread_sensitive=True)())
+
+
+def test_a_long_pass_rests_in_proportion_before_the_next(settings: Any) -> None:
+    """At most DIAGNOSIS_MAX_CPU_SHARE of a core per cluster: a pass that took d waits d * (1/share - 1)."""
+    from dashboard.diagnosis import tasks
+
+    settings.CLUSTERDX = {**settings.CLUSTERDX, "DIAGNOSIS_MAX_CPU_SHARE": 0.25}
+    assert tasks.due(987_654)  # never ran here: due at once
+    tasks.paced(987_654, 0.05)  # took 50 ms: rests 150 ms
+    assert not tasks.due(987_654)
+    time.sleep(0.16)
+    assert tasks.due(987_654)
+    tasks.paced(987_654, 0.0)  # a quick pass keeps the schedule's own cadence
+    assert tasks.due(987_654)
