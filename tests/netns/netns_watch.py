@@ -148,3 +148,16 @@ class Watch:
 
 def describe(detection: Any) -> str:
     return f"{detection.kind} {detection.subject}: {detection.title} | {detection.evidence.get('metrics')}"
+
+
+def check_named(watch: Watch, out: Outcome, expected: set[tuple[str, str]]) -> None:
+    """The scenario named one of ``expected`` (kind, subject), and no pass named any other fault; what the window
+    held is printed either way (and is the failure message)."""
+    seen = watch.seen()
+    print(f"[{watch.run}] named after {out.seconds:.1f} s in {len(out.passes)} pass(es): "
+          f"{describe(out.detection) if out.detection else None}\n{seen}")
+    assert out.detection is not None, f"never named {expected} in {len(out.passes)} passes; last pass: " \
+        f"{[describe(d) for d in out.last()]}\n{seen}"
+    wrong = [f"after {at:.1f} s: {describe(d)}" for at, found in out.passes for d in found
+             if d.kind in FAULT_KINDS and d.key not in expected]
+    assert not wrong, "also named:\n" + "\n".join(wrong) + f"\n{seen}"

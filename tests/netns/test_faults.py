@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from netns_testbed import Testbed
-from netns_watch import FAULT_KINDS, Outcome, Watch, describe
+from netns_watch import FAULT_KINDS, Watch, check_named, describe
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -34,17 +34,6 @@ def _started(site, bed: Testbed, run: str) -> Watch:
     return watch
 
 
-def _check(watch: Watch, out: Outcome, expected: set[tuple[str, str]]) -> None:
-    seen = watch.seen()
-    print(f"[{watch.run}] named after {out.seconds:.1f} s in {len(out.passes)} pass(es): "
-          f"{describe(out.detection) if out.detection else None}\n{seen}")
-    assert out.detection is not None, f"never named {expected} in {len(out.passes)} passes; last pass: " \
-        f"{[describe(d) for d in out.last()]}\n{seen}"
-    wrong = [f"after {at:.1f} s: {describe(d)}" for at, found in out.passes for d in found
-             if d.kind in FAULT_KINDS and d.key not in expected]
-    assert not wrong, "also named:\n" + "\n".join(wrong) + f"\n{seen}"
-
-
 def test_added_delay_entering_one_node_is_a_slow_link_naming_that_node(site, bed, delay_program) -> None:
     watch = _started(site, bed, "delay")
     since = time.time()
@@ -52,7 +41,7 @@ def test_added_delay_entering_one_node_is_a_slow_link_naming_that_node(site, bed
     # The delay also slows bulk transfers (TCP's slow start at 30 ms), which may name node-c first; the finding
     # must come to show the delay itself, as the probes measure it in user space.
     out = watch.until("slow_link", "node-c", since, accept=lambda d: (d.evidence["metrics"]["rtt_ms"] or 0) > 25)
-    _check(watch, out, {("slow_link", "node-c")})
+    check_named(watch, out, {("slow_link", "node-c")})
 
 
 def test_a_rate_limit_on_one_node_is_a_slow_link_naming_that_node(site, bed) -> None:
@@ -61,7 +50,7 @@ def test_a_rate_limit_on_one_node_is_a_slow_link_naming_that_node(site, bed) -> 
     bed.limit_rate("node-b", "100mbit")
     # Idle RTT does not show a rate limit; bulk transfers do (and pings that share the link with one).
     out = watch.until("slow_link", "node-b", since, accept=lambda d: (d.evidence["metrics"]["bw_gbps"] or 1) < 0.12)
-    _check(watch, out, {("slow_link", "node-b")})
+    check_named(watch, out, {("slow_link", "node-b")})
     metrics = out.detection.evidence["metrics"]
     assert metrics["bw_gbps"] < 0.12 < metrics["baseline_bw_gbps"] / 4, metrics  # 100 Mb/s of a 1 Gb/s cluster
 
@@ -71,7 +60,7 @@ def test_a_slow_dataloader_on_one_rank_is_data_starvation_naming_that_rank(site,
     since = time.time()
     bed.slow_loader(2, 0.15)
     out = watch.until("data_starvation", "slowdata/rank2", since)
-    _check(watch, out, {("data_starvation", "slowdata/rank2")})
+    check_named(watch, out, {("data_starvation", "slowdata/rank2")})
     assert out.detection.node == "node-c" and out.detection.rank == 2
 
 
@@ -83,7 +72,7 @@ def _stopped_rank(site, bed: Testbed, run: str, node: str, rank: int, sig: signa
     bed.signal_rank(node, sig)
     culprit = f"{run}/rank{rank}"
     out = watch.until("rank_down", culprit, since, timeout=20)
-    _check(watch, out, {("rank_down", culprit)})
+    check_named(watch, out, {("rank_down", culprit)})
     assert out.detection.node == node and out.detection.rank == rank, describe(out.detection)
     return out.detection
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from netns_testbed import Testbed, remove_stale, run
-from netns_watch import FAULT_KINDS, Outcome, Watch, describe, wait_for
+from netns_watch import FAULT_KINDS, Watch, check_named, describe, wait_for
 
 from tests.conftest import service_missing
 
@@ -76,23 +76,12 @@ def _healthy(site: Any, bed: Testbed, name: str) -> Watch:
     return watch
 
 
-def _check(watch: Watch, out: Outcome, expected: tuple[str, str]) -> None:
-    seen = watch.seen()
-    print(f"[{watch.run}] named after {out.seconds:.1f} s in {len(out.passes)} pass(es): "
-          f"{describe(out.detection) if out.detection else None}\n{seen}")
-    assert out.detection is not None, f"never named {expected} in {len(out.passes)} passes; last pass: " \
-        f"{[describe(d) for d in out.last()]}\n{seen}"
-    wrong = [f"after {at:.1f} s: {describe(d)}" for at, found in out.passes for d in found
-             if d.kind in FAULT_KINDS and d.key != expected]
-    assert not wrong, "also named:\n" + "\n".join(wrong) + f"\n{seen}"
-
-
 def test_a_rate_limit_on_the_rack_uplink_names_the_uplink_not_its_nodes(site, bed: Testbed) -> None:
     watch = _healthy(site, bed, "uplink")
     since = time.time()
     bed.limit_uplink("100mbit")
     out = watch.until("slow_link", UPLINK, since, timeout=45)
-    _check(watch, out, ("slow_link", UPLINK))
+    check_named(watch, out, {("slow_link", UPLINK)})
     d = out.detection
     metrics = d.evidence["metrics"]
     assert d.subject_type == "switch" and d.node is None and metrics["nodes"] == [n.name for n in bed.nodes], metrics
@@ -110,7 +99,7 @@ def test_a_delay_on_one_path_between_racks_names_that_link(site, bed: Testbed, d
     bed.add_delay("node-b", 30, delay_program, queue=1, source="node-f")  # what node-f sends into node-b
     out = watch.until("slow_link", "node-b~node-f", since, timeout=45,
                       accept=lambda d: (d.evidence["metrics"]["rtt_ms"] or 0) > 24)
-    _check(watch, out, ("slow_link", "node-b~node-f"))
+    check_named(watch, out, {("slow_link", "node-b~node-f")})
     d = out.detection
     assert (d.subject_type, d.node, d.peer_node) == ("link", "node-b", "node-f")
     assert d.evidence["metrics"]["layer"] == "path"
