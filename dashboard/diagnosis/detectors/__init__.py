@@ -69,6 +69,10 @@ def run_all(w: Window, t: Thresholds | None = None) -> list[Detection]:
     for d in late:
         in_group.setdefault(d.run or "", set()).add(d.rank if d.rank is not None else -1)
     late += late_ranks(w, t, in_group)
+    # A rank on a node that is down is the node's finding: its last steps before the cut (a few ms late as its link
+    # went) are not a straggler of their own.
+    dead = {d.node for d in down}
+    late = [d for d in late if d.node not in dead]
     out += late
     straggling = {(d.node, d.gpu_index) for d in late if d.kind == "straggler"}
     out += [d for d in throttling(w, t, rank_gpus) if (d.node, d.gpu_index) not in straggling]
