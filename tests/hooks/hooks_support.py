@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from clusterdx import wire
@@ -115,3 +118,27 @@ def free_port(kind: int = socket.SOCK_STREAM) -> int:
     with socket.socket(socket.AF_INET, kind) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def gloo_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    """One rank of a gloo job on loopback, as torchrun starts it: one thread (two cores), the repository importable,
+    and no CLUSTERDX_SERVER from the test's own environment unless ``extra`` sets it."""
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env.pop("CLUSTERDX_SERVER", None)
+    return {**env, **extra}
+
+
+def run_ranks(jobs: list[tuple[list[str], dict[str, str]]], timeout: float, tail: int | None = None) -> list[str]:
+    """Start every (argv, env) at once, wait for all (killing what is left at the end), and require each to exit 0;
+    returns their outputs (stdout and stderr). ``tail``: characters of each output the failure message keeps."""
+    procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for args, env in jobs]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-tail:] if tail else o for o in outputs)
+    return outputs

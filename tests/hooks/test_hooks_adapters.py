@@ -4,16 +4,14 @@ agent's socket with sensible values. Each loader is slowed a little so data wait
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from hooks_support import free_port, wait_for
+from hooks_support import free_port, gloo_env, run_ranks, wait_for
 
 from trainer_hooks import Monitor
 
@@ -110,25 +108,9 @@ def test_the_lightning_callback_times_ddp_all_reduces(udp_agent, hook_env, tmp_p
 
 def test_the_hf_callback_reports_steps_loss_grad_norm_and_checkpoints(udp_agent, hook_env, tmp_path):
     transformers = pytest.importorskip("transformers")
+    from hf_worker import TinyConfig, TinyModel  # the DDP worker's model: one tiny linear layer
+
     from trainer_hooks import HFCallback
-
-    class TinyConfig(transformers.PretrainedConfig):
-        model_type = "clusterdx-tiny"
-
-        def __init__(self, width: int = 8, **kwargs: object) -> None:
-            super().__init__(**kwargs)
-            self.width = width
-
-    class TinyModel(transformers.PreTrainedModel):
-        config_class = TinyConfig
-
-        def __init__(self, config: TinyConfig) -> None:
-            super().__init__(config)
-            self.layer = torch.nn.Linear(config.width, 1)
-
-        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-            out = self.layer(x)
-            return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
 
     class SlowTrainer(transformers.Trainer):
         def get_train_dataloader(self) -> torch.utils.data.DataLoader:
@@ -165,22 +147,10 @@ def test_the_hf_callback_times_ddp_all_reduces_without_changing_the_parameters(u
     pytest.importorskip("transformers")
     world, steps = 2, 4
     result, port = tmp_path / "result.json", free_port()
-    procs = []
-    for rank in range(world):
-        # Two real gloo ranks as torchrun starts them: accelerate wraps the model in DistributedDataParallel.
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-               "CLUSTERDX_AGENT_ADDR": udp_agent.addr, "CLUSTERDX_RUN": "hf-ddp", "CLUSTERDX_HOOK_BEAT_S": "0",
-               "WANDB_DISABLED": "true", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-        env.pop("CLUSTERDX_SERVER", None)
-        args = [sys.executable, str(Path(__file__).with_name("hf_worker.py")), str(result), str(steps)]
-        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
+    # Two real gloo ranks as torchrun starts them: accelerate wraps the model in DistributedDataParallel.
+    args = [sys.executable, str(Path(__file__).with_name("hf_worker.py")), str(result), str(steps)]
+    run_ranks([(args, gloo_env(rank, world, port, CLUSTERDX_AGENT_ADDR=udp_agent.addr, CLUSTERDX_RUN="hf-ddp",
+                               CLUSTERDX_HOOK_BEAT_S="0", WANDB_DISABLED="true")) for rank in range(world)], timeout=120)
     for rank in range(world):
         verdict = json.loads(Path(f"{result}.{rank}").read_text())
         assert verdict == {"ddp": True, "hooked": ["timed_hook"], "theirs_kept": ["allreduce_hook"], "bitwise": True,

@@ -4,14 +4,12 @@ compute: the per-rank records must say which is which, and the hook must leave t
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from hooks_support import free_port, wait_for
+from hooks_support import free_port, gloo_env, run_ranks, wait_for
 
 WORLD, SLOW_DATA, SLOW_COMPUTE, DELAY, STEPS = 4, 1, 2, 0.08, 12
 WORKER = Path(__file__).with_name("ddp_worker.py")
@@ -26,21 +24,9 @@ def ddp_run(tmp_path_factory):
     agent = UdpAgent()
     result = tmp_path_factory.mktemp("ddp") / "result.json"
     port = free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "GLOO_SOCKET_IFNAME": "lo", "CLUSTERDX_AGENT_ADDR": agent.addr, "CLUSTERDX_RUN": "ddp-test",
-               "PYTHONPATH": str(ROOT)}
-        env.pop("CLUSTERDX_SERVER", None)
-        args = [sys.executable, str(WORKER), str(result), str(SLOW_DATA), str(SLOW_COMPUTE), str(DELAY), str(STEPS)]
-        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        outputs = [p.communicate(timeout=90)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
+    args = [sys.executable, str(WORKER), str(result), str(SLOW_DATA), str(SLOW_COMPUTE), str(DELAY), str(STEPS)]
+    run_ranks([(args, gloo_env(rank, WORLD, port, CLUSTERDX_AGENT_ADDR=agent.addr, CLUSTERDX_RUN="ddp-test"))
+               for rank in range(WORLD)], timeout=90)
     assert wait_for(lambda: len(agent.records("steps")) == WORLD * STEPS, timeout=5), len(agent.records("steps"))
     agent.close()
     assert not agent.errors, agent.errors

@@ -6,14 +6,12 @@ parameters bitwise as they are without it."""
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from hooks_support import free_port, wait_for
+from hooks_support import free_port, gloo_env, run_ranks, wait_for
 
 WORLD, SLOW_RANK, DELAY, STEPS = 4, 3, 0.1, 6
 WORKER = Path(__file__).with_name("parallel_worker.py")
@@ -29,21 +27,9 @@ def parallel_run(tmp_path_factory):
     agent = UdpAgent()
     result = tmp_path_factory.mktemp("parallel") / "result.json"
     port = free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "GLOO_SOCKET_IFNAME": "lo", "CLUSTERDX_AGENT_ADDR": agent.addr, "CLUSTERDX_HOOK_BEAT_S": "0",
-               "PYTHONPATH": str(ROOT)}
-        env.pop("CLUSTERDX_SERVER", None)
-        args = [sys.executable, str(WORKER), str(result), str(SLOW_RANK), str(DELAY), str(STEPS)]
-        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        outputs = [p.communicate(timeout=150)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+    args = [sys.executable, str(WORKER), str(result), str(SLOW_RANK), str(DELAY), str(STEPS)]
+    run_ranks([(args, gloo_env(rank, WORLD, port, CLUSTERDX_AGENT_ADDR=agent.addr, CLUSTERDX_HOOK_BEAT_S="0"))
+               for rank in range(WORLD)], timeout=150, tail=3000)
     assert wait_for(lambda: len(agent.records("steps")) == 3 * WORLD * STEPS, timeout=5), len(agent.records("steps"))
     agent.close()
     assert not agent.errors, agent.errors

@@ -5,14 +5,12 @@ pass reads what was stored, and the finding names that rank, within its group, a
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from hooks_support import free_port
+from hooks_support import free_port, gloo_env, run_ranks
 
 WORLD, DELAY, STEPS = 4, 0.5, 7  # the lag floor is 2% of the step: 10 ms here, over a loaded machine's jitter
 WORKER = Path(__file__).with_name("parallel_worker.py")
@@ -42,22 +40,14 @@ def test_each_slow_rank_is_named_in_its_group_and_no_other(live_server):
     _, token = tokens.create_token(cluster, "hooks")
     port = free_port()
     specs = [f"{name}:{rank}:{kind}" for name, rank, kind in SCENARIOS]
-    procs = []
+    jobs = []
     for rank in range(WORLD):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "GLOO_SOCKET_IFNAME": "lo", "CLUSTERDX_SERVER": live_server.url, "CLUSTERDX_TOKEN": token,
-               "CLUSTERDX_HOOK_TRANSPORT": "server", "CLUSTERDX_HOOK_BEAT_S": "0", "PYTHONPATH": str(ROOT)}
+        env = gloo_env(rank, WORLD, port, CLUSTERDX_SERVER=live_server.url, CLUSTERDX_TOKEN=token,
+                       CLUSTERDX_HOOK_TRANSPORT="server", CLUSTERDX_HOOK_BEAT_S="0")
         for name in ("CLUSTERDX_AGENT_ADDR", "CLUSTERDX_RUN", "CLUSTERDX_TOKEN_FILE"):
             env.pop(name, None)
-        args = [sys.executable, str(WORKER), "diagnose", str(DELAY), str(STEPS), *specs]
-        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        outputs = [p.communicate(timeout=150)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+        jobs.append(([sys.executable, str(WORKER), "diagnose", str(DELAY), str(STEPS), *specs], env))
+    run_ranks(jobs, timeout=150, tail=3000)
     runs = {f"dx-{name}-{rank}-{kind}": (name, rank, kind) for name, rank, kind in SCENARIOS}
     stored = {r.name: StepSample.objects.filter(run=r).count() for r in Run.objects.filter(cluster=cluster)}
     assert stored == dict.fromkeys(runs, WORLD * STEPS)  # every step of every rank went through the real ingest
