@@ -11,6 +11,7 @@ import contextlib
 from typing import Any
 from urllib.parse import parse_qs
 
+import msgspec
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
@@ -79,7 +80,17 @@ def _snapshot(cluster: Cluster, run: Run | None, host: str | None, only: set[str
     return frame
 
 
+_encode = msgspec.json.Encoder().encode
+
+
 class LiveConsumer(AsyncJsonWebsocketConsumer):
+    @classmethod
+    async def encode_json(cls, content: Any) -> str:
+        # msgspec, not json.dumps: at 2,048 nodes a watching page's frames carry 16,384 GPU rows a second, and
+        # json.dumps of them was a twentieth of the server's CPU with one page open. It also writes a NaN as null,
+        # which the browser's JSON.parse accepts (json.dumps writes NaN, which it refuses).
+        return _encode(content).decode()
+
     async def connect(self) -> None:
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
