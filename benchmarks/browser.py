@@ -316,6 +316,27 @@ PAINT_JS = """
 """
 
 
+# What the page waited on before its first paint: the document, each script and API call (start and end, ms since
+# navigation start), the DOMContentLoaded handlers, and the first frame of the live socket as the page saw it.
+TIMELINE_JS = """
+(() => {
+  const out = [];
+  const nav = performance.getEntriesByType("navigation")[0];
+  if (nav) {
+    out.push([nav.requestStart, nav.responseEnd, "document"]);
+    out.push([nav.domInteractive, nav.domContentLoadedEventEnd, "DOMContentLoaded"]);
+  }
+  for (const r of performance.getEntriesByType("resource")) {
+    if (!["script", "fetch", "xmlhttprequest", "link", "css"].includes(r.initiatorType)) continue;
+    const path = new URL(r.name).pathname;
+    out.push([r.startTime, r.responseEnd, `${r.initiatorType} ${path.length > 60 ? path.slice(0, 57) + "..." : path}`]);
+  }
+  for (const [id, t] of Object.entries((window.__cdx || {}).marks || {})) out.push([t, t, `painted #${id}`]);
+  return out.sort((a, b) => a[0] - b[0]);
+})()
+"""
+
+
 @dataclass
 class Load:
     page: str
@@ -332,6 +353,8 @@ class Load:
     frame_bytes: int = 0
     errors: list[str] = field(default_factory=list)
     hot: list[tuple[str, float]] = field(default_factory=list)  # --profile: (function, self ms) over the window
+    hot_load: list[tuple[str, float]] = field(default_factory=list)  # --profile: the same from navigation to paint
+    timeline: list[tuple[float, float, str]] = field(default_factory=list)  # (start ms, end ms, what) until paint
 
 
 def hot_functions(profile: dict[str, Any], top: int = 12) -> list[tuple[str, float]]:
@@ -392,6 +415,10 @@ def load_page(context: Any, url: str, key: str, ids: list[str], paint_timeout_s:
     page.on("pageerror", lambda exc: errors.append(str(exc)[:200]))
     cdp = context.new_cdp_session(page)
     cdp.send("Performance.enable", {"timeDomain": "timeTicks"})
+    if profile:  # where the main thread's time goes before the first paint (the live window is sampled below)
+        cdp.send("Profiler.enable")
+        cdp.send("Profiler.setSamplingInterval", {"interval": 500})
+        cdp.send("Profiler.start")
     page.goto(url, wait_until="commit", timeout=60_000)
     main = ids[0] if ids else None
     paint = None
@@ -401,6 +428,8 @@ def load_page(context: Any, url: str, key: str, ids: list[str], paint_timeout_s:
                                    timeout=paint_timeout_s * 1000, polling=100)
         except Exception as exc:  # a stub page, or one that never draws: reported, not fatal
             errors.append(f"no data in #{main} after {paint_timeout_s:g} s ({type(exc).__name__})")
+    hot_load = hot_functions(cdp.send("Profiler.stop")["profile"]) if profile else []
+    timeline = [tuple(e) for e in page.evaluate(TIMELINE_JS)]
     page.wait_for_timeout(1000)  # let the first API answers land
     deadline = time.monotonic() + paint_timeout_s
     while not firsts and time.monotonic() < deadline:  # and the snapshot, however late
@@ -409,7 +438,8 @@ def load_page(context: Any, url: str, key: str, ids: list[str], paint_timeout_s:
         errors.append(f"no websocket frame within {paint_timeout_s:g} s")
     state = page.evaluate("window.__cdx || {marks: {}}")
     paint = state["marks"].get(main) if main else None
-    load = Load(key, main, paint, state["marks"], firsts[0] if firsts else None, 0, 0, errors=errors)
+    load = Load(key, main, paint, state["marks"], firsts[0] if firsts else None, 0, 0, errors=errors,
+                hot_load=hot_load, timeline=timeline)
     if window_s > 0:
         if profile:
             cdp.send("Profiler.enable")
@@ -465,6 +495,12 @@ def measure(base: str, where: dict[str, Any], args: argparse.Namespace, override
                           + (f"  other marks {', '.join(f'#{k} {v:.0f} ms' for k, v in load.marks.items() if k != load.marker)}"
                              if len(load.marks) > 1 else "")
                           + (f"  ERRORS {load.errors}" if load.errors else ""), flush=True)
+                    if args.timeline:
+                        for start, end, what in load.timeline:
+                            print(f"        {start:7.0f} -> {end:7.0f} ms  {what}", flush=True)
+                    if load.hot_load:
+                        print("      hottest before paint (self ms): "
+                              + "; ".join(f"{name} {ms:.0f} ms" for name, ms in load.hot_load), flush=True)
         finally:
             browser.close()
     return out
@@ -594,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--profile", action="store_true",
                    help="sample the main thread during the busy window and print each page's hottest functions")
+    p.add_argument("--timeline", action="store_true",
+                   help="print what each load waited on before its first paint (document, scripts, API calls)")
     args = p.parse_args(argv)
     sizes = [int(x) for x in re.split(r"[,\s]+", args.nodes.strip()) if x]
     overrides = {}

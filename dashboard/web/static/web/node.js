@@ -4,7 +4,7 @@
 // websocket are appended to the charts while the range ends now; events are prepended as they arrive.
 import {esc, fmt, bytes, age, when, link, $, pageData, getJSON} from "./lib/fmt.js";
 import {connectLive, drawLoop} from "./lib/live.js";
-import {COLORS, layout, timeAxis, toDates, bandTraces, hline, react} from "./lib/chart.js";
+import {COLORS, layout, timeAxis, toDates, bandTraces, hline, loadPlotly, react} from "./lib/chart.js";
 import {rangePicker, rangeQuery, isLive} from "./lib/range.js";
 import {badges} from "./lib/attention.js";
 
@@ -333,7 +333,7 @@ function renderSeriesTables() {
 
 let everything = true; // a new range redraws every chart; a live frame only the four rows it grows
 function draw() {
-  if (!series) return;
+  if (!series || !window.Plotly) return; // loadPlotly() below marks the page dirty once plotly has run
   drawLiveCharts();
   if (everything) { everything = false; drawGpuCharts(); drawNodeCharts(); }
 }
@@ -406,6 +406,7 @@ range = rangePicker($("range"), (r) => { range = r; live = {}; loadSeries(); });
 renderAllFacts();
 loadSeries();
 connectLive(facts.live.ws, onFrame);
+loadPlotly().then(markDirty); // after the requests above are on the wire: the server works while plotly evaluates
 // A live range slides: the server's buckets are refetched every minute so the left edge and the rollups follow.
 setInterval(() => { if (isLive(range)) loadSeries(); }, 60_000);
 setInterval(() => { if (isLive(range)) markDirty(); }, 5_000);

@@ -5,7 +5,7 @@
 // first paint.
 import {$, age, esc, fmt, getJSON, link, pageData, sevRank} from "./lib/fmt.js";
 import {connectLive, drawLoop} from "./lib/live.js";
-import {SEV_COLORS, layout, react} from "./lib/chart.js";
+import {SEV_COLORS, layout, loadPlotly, react} from "./lib/chart.js";
 import {badges} from "./lib/attention.js";
 
 const REFRESH_MS = 12000;
@@ -17,19 +17,8 @@ const UTIL_LO = "#eef4e8", UTIL_HI = "#2f6b3a";
 // Plotly (the events timeline only) runs after the health map's first paint: the page only preloads it
 // (<link rel="preload" id="plotly-src">), since parsing it holds the main thread for a second or more on a slow
 // machine, which must not come before the answer.
-let plotlyLoaded = null;
-function loadPlotly() {
-  plotlyLoaded = plotlyLoaded || new Promise((resolve) => {
-    const src = document.getElementById("plotly-src");
-    if (window.Plotly || !src) { resolve(); return; }
-    const tag = document.createElement("script");
-    tag.src = src.href;
-    tag.addEventListener("load", resolve, {once: true});
-    document.head.appendChild(tag);
-  });
-  return plotlyLoaded;
-}
-const afterFirstPaint = () => { if (!plotlyLoaded) setTimeout(() => loadPlotly().then(() => markLists()), 0); };
+let plotlyAsked = false;
+const afterFirstPaint = () => { if (!plotlyAsked) { plotlyAsked = true; setTimeout(() => loadPlotly().then(() => markLists()), 0); } };
 let ov = pageData();
 const api = ov.cluster;
 let nodes = [];            // the API's nodes, each with .gpuObjs and live bookkeeping

@@ -3,7 +3,7 @@
 // NCCL, and the explain view of a clicked step with every layer the explain API returns.
 import {$, age, esc, fmt, getJSON, link, pageData, when} from "./lib/fmt.js";
 import {connectLive, drawLoop} from "./lib/live.js";
-import {CONFIG, layout, react as plot} from "./lib/chart.js";
+import {CONFIG, layout, loadPlotly, react as plot} from "./lib/chart.js";
 import {explainTables, timelineTraces} from "./run_explain.js";
 import {badges} from "./lib/attention.js";
 import {drawNccl} from "./run_nccl.js";
@@ -25,11 +25,17 @@ let zoom = null;             // [from_step, to_step] the user zoomed to, or null
 let heatMetric = "compute_s";
 // Plotly attaches .on() to an element at its first plot: handlers wait for it.
 const handlers = {};   // id -> [[event, fn]]
+function attach(id) {
+  const el = document.getElementById(id);
+  if (el && el.on && handlers[id]) { for (const [ev, fn] of handlers[id]) el.on(ev, fn); delete handlers[id]; }
+}
 function react(id, traces, lay, config) {
   const el = plot(id, traces, lay, config);
-  if (el && el.on && handlers[id]) { for (const [ev, fn] of handlers[id]) el.on(ev, fn); delete handlers[id]; }
+  attach(id);
   return el;
 }
+// A figure drawn before plotly had run is drawn when it has: its handlers are attached then.
+window.addEventListener("cdx:plotly", () => { for (const id of Object.keys(handlers)) attach(id); });
 const on = (id, ev, fn) => { (handlers[id] = handlers[id] || []).push([ev, fn]); };
 const smallRun = () => (run.ranks || P.n_ranks) <= P.per_rank_max;
 const mine = (host) => Object.prototype.hasOwnProperty.call(P.hosts, host);
@@ -263,7 +269,10 @@ function drawLists() {
     || '<li class="muted">None open.</li>';
 }
 
-const markDirty = drawLoop(() => { drawSteps(); drawRanks(); drawGpus(); drawLists(); }, 500);
+const markDirty = drawLoop(() => {
+  drawLists();
+  if (window.Plotly) { drawSteps(); drawRanks(); drawGpus(); } // loadPlotly() below marks the page dirty once it has run
+}, 500);
 
 // -- settings and NCCL -------------------------------------------------------------------------------------------
 const kv = (obj) => Object.entries(obj || {}).map(([k, v]) => `<tr><th>${esc(k)}</th><td>${esc(typeof v === "object" && v !== null ? JSON.stringify(v) : v ?? "–")}</td></tr>`).join("");
@@ -367,6 +376,7 @@ connectLive(P.ws, onFrame);
 loadHistory();
 loadSettings().catch((e) => { $("settings").textContent = String(e); });
 loadNccl().catch((e) => { $("nccl").textContent = String(e); });
+loadPlotly().then(markDirty); // after the requests above are on the wire: the server works while plotly evaluates
 // The history (loss, MFU, the heatmap) is refetched now and then while the whole run is shown; the live tail covers
 // the steps in between.
 setInterval(() => { if (!zoom && !document.hidden) loadHistory(); }, 60_000);

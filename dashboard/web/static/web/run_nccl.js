@@ -113,6 +113,9 @@ export function drawNccl(n, go) {
   document.getElementById("nccl-nodes").innerHTML = nodeTable(n);
   document.getElementById("nccl-warnings").innerHTML = warningList(n);
   const strip = document.getElementById("nccl-strip");
+  if (!strip.on && n.ranks.order.length) { // drawn before plotly had run: click handling once it has
+    window.addEventListener("cdx:plotly", () => drawNccl(n, go), {once: true});
+  }
   if (strip.on && !strip.dataset.clicks) {
     strip.dataset.clicks = "1";
     strip.on("plotly_click", (ev) => {

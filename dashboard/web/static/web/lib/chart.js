@@ -43,8 +43,46 @@ export function vbands(spans, color = "#f3a712") {
     y0: 0, y1: 1, fillcolor: color, opacity: 0.18, line: {width: 0}}));
 }
 
+// Plotly is 4.6 MB of script: evaluating it holds the main thread for half a second to two seconds on a slow or busy
+// machine. The pages whose first screen is a chart preload it (<link rel="preload" as="script" id="plotly-src">) and
+// run it with loadPlotly() once their own API requests are on the wire, so the server prepares the data while the
+// browser evaluates plotly, instead of one after the other. A figure drawn before plotly is there waits for it (the
+// newest per element); "cdx:plotly" is dispatched on window once those are drawn (handlers that need el.on).
+let plotlyLoaded = null;
+const waiting = new Map(); // element -> [call number, traces, layout, config]
+const latest = new WeakMap(); // element -> number of the newest react() call for it
+let calls = 0;
+export function loadPlotly() {
+  plotlyLoaded = plotlyLoaded || new Promise((resolve) => {
+    const src = document.getElementById("plotly-src");
+    if (window.Plotly || !src) { resolve(); return; }
+    const tag = document.createElement("script");
+    tag.src = src.href;
+    tag.addEventListener("load", resolve, {once: true});
+    tag.addEventListener("error", resolve, {once: true}); // the charts stay empty; the page's tables still work
+    document.head.appendChild(tag);
+  }).then(() => {
+    // Each waiting figure in a task of its own, so the page's own first screen (drawn when it marks itself dirty on
+    // this promise) is not held behind all of them; one redrawn since with newer data is not drawn stale.
+    const queue = window.Plotly ? [...waiting] : [];
+    waiting.clear();
+    const next = () => {
+      const item = queue.shift();
+      if (!item) { window.dispatchEvent(new Event("cdx:plotly")); return; }
+      const [el, [n, ...args]] = item;
+      if (latest.get(el) === n) Plotly.react(el, ...args);
+      setTimeout(next, 0);
+    };
+    setTimeout(next, 0);
+  });
+  return plotlyLoaded;
+}
+
 export function react(id, traces, lay, config = CONFIG) {
   const el = typeof id === "string" ? document.getElementById(id) : id;
-  if (el) Plotly.react(el, traces, lay, config);
+  if (!el) return el;
+  latest.set(el, ++calls);
+  if (window.Plotly) Plotly.react(el, traces, lay, config);
+  else { waiting.set(el, [calls, traces, lay, config]); loadPlotly(); }
   return el;
 }

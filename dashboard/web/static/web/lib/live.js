@@ -24,13 +24,24 @@ export function connectLive(path, onFrame, statusId = "live-status") {
   open();
 }
 
-// Redraw at most every `ms`, only when something changed: live frames mark the page dirty, this draws.
+// Redraw at most every `ms`, only when something changed: live frames mark the page dirty, this draws at the next
+// animation frame once `ms` have passed since the last draw. (It polled every `ms` before, which held a page's first
+// answer back by up to `ms` after its data had arrived.) Returns the function that marks the page dirty.
 export function drawLoop(draw, ms = 250) {
-  let dirty = true;
-  function tick() {
-    if (dirty) { dirty = false; draw(); }
-    setTimeout(() => requestAnimationFrame(tick), ms);
+  let dirty = false, scheduled = false, last = -Infinity;
+  function run() {
+    scheduled = false;
+    if (!dirty) return;
+    dirty = false;
+    last = performance.now();
+    draw();
   }
-  requestAnimationFrame(tick);
-  return () => { dirty = true; };
+  function mark() {
+    dirty = true;
+    if (scheduled) return;
+    scheduled = true;
+    setTimeout(() => requestAnimationFrame(run), Math.max(0, last + ms - performance.now()));
+  }
+  mark(); // a first draw with what the page has
+  return mark;
 }
