@@ -23,6 +23,7 @@ def _fresh_caches() -> Iterator[None]:
     from dashboard.live import publish, state
     from dashboard.telemetry import interconnect, tokens
 
+    publish.publisher.drain()  # the previous test's committed groups reach the live layer before it is cleared
     clear_caches()
     tokens.clear_cache()
     interconnect.clear_cache()
