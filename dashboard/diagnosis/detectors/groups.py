@@ -94,7 +94,7 @@ def _lag(g: Group) -> np.ndarray:
 def _has_groups(w: Window, ri: int) -> bool:
     """Whether any of the run's rows carries group timings (hooks older than them send none: skip the run cheaply)."""
     t = w.steps
-    return "groups" in t.obj and len(t) > 0 and any(v for v in t["groups"][t["run"] == ri])
+    return "groups" in t.obj and len(t) > 0 and any(t["groups"][t["run"] == ri])  # any(): no frame per row
 
 
 def _cells(w: Window, rs: RunSteps, ri: int) -> np.ndarray | None:

@@ -15,12 +15,15 @@ over the runs' lifetime) holds until they report another one, not only while the
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from clusterdx import nccl_rules
 from dashboard.diagnosis.detectors.base import SEVERITY_RANK, Detection, Thresholds
-from dashboard.diagnosis.detectors.window import RunInfo, Window
+from dashboard.diagnosis.detectors.window import RankInfo, RunInfo, Window
 
 # Variables that legitimately differ per rank or only change logging.
 IGNORED = {"NCCL_DEBUG", "NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS", "NCCL_COMM_ID", "NCCL_HOSTID"}
@@ -31,21 +34,56 @@ def _nccl_env(meta: dict[str, Any]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(("NCCL_", "TORCH_NCCL_")) and k not in IGNORED}
 
 
-def _drift(run: RunInfo) -> dict[int, dict[str, tuple[str | None, str | None]]]:
+class _Envs:
+    """A run's ranks that say their environment, each with the index of its environment among the run's distinct
+    ones. A 16,384-rank run has one or a few distinct environments: each is filtered (and audited) once, not once per
+    rank, which was most of this detector's time at 2,048 nodes. Distinct environments are numbered in the order
+    their first rank comes, so counts taken over them break ties as counts over the ranks do."""
+
+    __slots__ = ("count", "full", "nccl", "ranks")
+
+    def __init__(self, run: RunInfo) -> None:
+        self.ranks: list[tuple[int, RankInfo, int]] = []  # (rank, its info, its environment's index)
+        self.nccl: list[dict[str, str]] = []  # _nccl_env of each distinct environment
+        self.full: list[dict[str, str]] = []  # _all_nccl_env of each
+        self.count: list[int] = []  # how many ranks have it
+        seen: dict[Any, int] = {}
+        for r, info in run.ranks.items():
+            env = info.meta.get("env")
+            if env is None:
+                continue
+            try:  # the same items in the same order: the same environment
+                key: Any = tuple(env.items())
+                i = seen.get(key)
+            except TypeError:  # an unhashable value: this rank's environment stands alone
+                key, i = object(), None
+            if i is None:
+                i = seen[key] = len(self.nccl)
+                self.nccl.append(_nccl_env(info.meta))
+                self.full.append(_all_nccl_env(info.meta))
+                self.count.append(0)
+            self.count[i] += 1
+            self.ranks.append((r, info, i))
+
+
+def _drift(run: RunInfo, envs: _Envs | None = None) -> dict[int, dict[str, tuple[str | None, str | None]]]:
     """rank -> {var: (its value, the majority's)} for ranks that differ from the majority."""
-    envs = {r: _nccl_env(info.meta) for r, info in run.ranks.items() if info.meta.get("env") is not None}
-    if len(envs) < 3:
+    envs = envs or _Envs(run)
+    total = len(envs.ranks)
+    if total < 3:
         return {}
-    out: dict[int, dict[str, tuple[str | None, str | None]]] = {}
-    for var in set().union(*envs.values()):
-        values = Counter(e.get(var) for e in envs.values())
+    by_env: dict[int, dict[str, tuple[str | None, str | None]]] = {}
+    for var in sorted(set().union(*envs.nccl)):  # sorted: the same order of differences in every process
+        values: Counter[str | None] = Counter()
+        for e, n in zip(envs.nccl, envs.count, strict=True):
+            values[e.get(var)] += n
         common, n = values.most_common(1)[0]
-        if n <= len(envs) / 2 or n == len(envs):
+        if n <= total / 2 or n == total:
             continue
-        for r, e in envs.items():
+        for i, e in enumerate(envs.nccl):
             if e.get(var) != common:
-                out.setdefault(r, {})[var] = (e.get(var), common)
-    return out
+                by_env.setdefault(i, {})[var] = (e.get(var), common)
+    return {r: dict(by_env[i]) for r, _, i in envs.ranks if i in by_env}
 
 
 def _host(e: dict[str, Any]) -> str | None:
@@ -62,7 +100,7 @@ def _run_nodes(w: Window) -> set[str]:
     return {i.node for run in w.runs for i in run.ranks.values() if i.node}
 
 
-def _socket_facts(w: Window) -> dict[str, list[str]]:
+def _socket_facts(w: Window, envs: list[_Envs] | None = None) -> dict[str, list[str]]:
     """host -> what its NCCL logs or ranks say about falling back to sockets / GDR off. The newest inter-node
     transport a host reported decides: a fallback holds until its ranks report IB (or another RDMA network) again."""
     facts: dict[str, list[str]] = {}
@@ -98,20 +136,30 @@ def _socket_facts(w: Window) -> dict[str, list[str]]:
     for host, (ts, off) in gdr.items():
         if off and held(host, ts):
             facts.setdefault(host, []).append("GPUDirect RDMA is off (IB without GDRDMA)")
-    for run in w.runs:
-        for info in run.ranks.values():
-            env = _nccl_env(info.meta)
-            if info.node and (env.get("NCCL_IB_DISABLE") == "1" or env.get("NCCL_NET", "").lower() == "socket"):
-                facts.setdefault(info.node, []).append(
-                    "NCCL_IB_DISABLE=1" if env.get("NCCL_IB_DISABLE") == "1" else f"NCCL_NET={env['NCCL_NET']}")
-            if info.node and env.get("NCCL_NET_GDR_LEVEL") in ("0", "LOC"):
-                facts.setdefault(info.node, []).append(f"NCCL_NET_GDR_LEVEL={env['NCCL_NET_GDR_LEVEL']} (GDR off)")
+    for run_envs in envs if envs is not None else map(_Envs, w.runs):
+        said = [_env_facts(env) for env in run_envs.nccl]
+        if not any(said):
+            continue
+        for _, info, i in run_envs.ranks:
+            if info.node and said[i]:
+                facts.setdefault(info.node, []).extend(said[i])
     return {h: sorted(set(f)) for h, f in facts.items()}
+
+
+def _env_facts(env: dict[str, str]) -> list[str]:
+    """What a rank's NCCL environment says about sockets or GDR being off."""
+    out = []
+    if env.get("NCCL_IB_DISABLE") == "1" or env.get("NCCL_NET", "").lower() == "socket":
+        out.append("NCCL_IB_DISABLE=1" if env.get("NCCL_IB_DISABLE") == "1" else f"NCCL_NET={env['NCCL_NET']}")
+    if env.get("NCCL_NET_GDR_LEVEL") in ("0", "LOC"):
+        out.append(f"NCCL_NET_GDR_LEVEL={env['NCCL_NET_GDR_LEVEL']} (GDR off)")
+    return out
 
 
 def nccl_config(w: Window, t: Thresholds) -> list[Detection]:
     out: dict[str, Detection] = {}
-    for host, facts in _socket_facts(w).items():
+    envs = [_Envs(run) for run in w.runs]
+    for host, facts in _socket_facts(w, envs).items():
         socket = any("socket" in f.lower() or "IB_DISABLE" in f or "no IB" in f for f in facts)
         out[host] = Detection(
             "nccl_config", "node", host, "error" if socket else "warning",
@@ -121,8 +169,8 @@ def nccl_config(w: Window, t: Thresholds) -> list[Detection]:
             "every all-reduce runs at the speed of this node's slowest path.",
             {"metrics": {"facts": facts}}, 0.95, node=host)
     node_facts = _node_facts(w)
-    for run in w.runs:
-        for det in _drift_detections(run) + _audit_detections(w, run, node_facts, t):
+    for run, run_envs in zip(w.runs, envs, strict=True):
+        for det in _drift_detections(run, run_envs) + _audit_detections(w, run, node_facts, t, run_envs):
             if det.subject in out:
                 prev = out[det.subject]
                 prev.action += " Also: " + det.title + "."
@@ -182,27 +230,40 @@ def _candidates(links: list[dict[str, Any]]) -> list[str]:
                   and not i["name"].startswith(_NOT_FOR_NCCL))
 
 
-def _ifname_hits(ifname: str, nf: _NodeFacts, hits: list[nccl_rules.Hit]) -> list[nccl_rules.Hit]:
+def _ifname_hits(ifname: str, nf: _NodeFacts, hits: list[nccl_rules.Hit],
+                 selected: dict[tuple[str, tuple[str, ...]], list[str]] | None = None) -> list[nccl_rules.Hit]:
     """With the agent's list: the audit's socket_ifname_missing reworded with the node's real interfaces (states,
     addresses) and a concrete fix, and a value that selects only interfaces that are down (which the names alone
-    cannot tell: NCCL then says "no socket interface found" or bootstraps over nothing usable)."""
+    cannot tell: NCCL then says "no socket interface found" or bootstraps over nothing usable). ``selected``: what
+    a value selects among a set of names, shared by the nodes of a pass (most nodes have the same names); the
+    wording is built only for a node that gets a hit (asked for every node with a list at 2,048 nodes)."""
     links = list(nf.links.values())
     if not links:
         return hits
-    good = _candidates(links)
     rule = nccl_rules.RULES["socket_ifname_missing"]
-    fix = (f"set NCCL_SOCKET_IFNAME={good[0]}" + (f" (up here: {', '.join(good)})" if len(good) > 1 else "")
-           + " on every rank of this node, or " + rule.fix) if good else rule.fix
-    out = [dataclasses.replace(h, title=f"NCCL_SOCKET_IFNAME={ifname} selects none of the node's interfaces "
-                                        f"({_shown(links)})", fix=fix)
-           if h.rule == "socket_ifname_missing" else h for h in hits]
-    if not any(h.rule == "socket_ifname_missing" for h in hits):
-        picked = [nf.links[n] for n in nccl_rules.selects(ifname, sorted(nf.links))]
-        if picked and all(map(_is_down, picked)):
-            out.append(nccl_rules.Hit(
-                rule.name, rule.severity, "NCCL_SOCKET_IFNAME", ifname,
-                f"NCCL_SOCKET_IFNAME={ifname} selects only interfaces that are down "
-                f"({', '.join(i['name'] for i in picked)}; the node has {_shown(links)})", rule.reason, fix))
+
+    def fix() -> str:
+        good = _candidates(links)
+        return (f"set NCCL_SOCKET_IFNAME={good[0]}" + (f" (up here: {', '.join(good)})" if len(good) > 1 else "")
+                + " on every rank of this node, or " + rule.fix) if good else rule.fix
+
+    if any(h.rule == "socket_ifname_missing" for h in hits):
+        title, fixed = f"NCCL_SOCKET_IFNAME={ifname} selects none of the node's interfaces ({_shown(links)})", fix()
+        return [dataclasses.replace(h, title=title, fix=fixed) if h.rule == "socket_ifname_missing" else h
+                for h in hits]
+    out = list(hits)
+    case = (ifname, tuple(sorted(nf.links)))
+    names = selected.get(case) if selected is not None else None
+    if names is None:
+        names = nccl_rules.selects(ifname, case[1])
+        if selected is not None:
+            selected[case] = names
+    picked = [nf.links[n] for n in names]
+    if picked and all(map(_is_down, picked)):
+        out.append(nccl_rules.Hit(
+            rule.name, rule.severity, "NCCL_SOCKET_IFNAME", ifname,
+            f"NCCL_SOCKET_IFNAME={ifname} selects only interfaces that are down "
+            f"({', '.join(i['name'] for i in picked)}; the node has {_shown(links)})", rule.reason, fix()))
     return out
 
 
@@ -211,9 +272,16 @@ def _node_facts(w: Window) -> dict[str, _NodeFacts]:
     sample's ``interfaces`` where the agent sends one), and an NCCL warning that no interface matched."""
     out: dict[str, _NodeFacts] = {}
     if len(w.ports):
-        for i, dev in zip(w.ports["node"], w.ports["device"], strict=True):
-            if dev and 0 <= int(i) < len(w.nodes):
-                out.setdefault(w.nodes[int(i)], _NodeFacts()).hcas.add(str(dev))
+        # Per distinct (node, device), not per sample row (~43,000 port rows at 2,048 nodes, a few devices each).
+        node, dev = w.ports["node"], w.ports["device"]
+        devs = [d for d in dict.fromkeys(dev) if d]
+        if devs:
+            code = {d: k for k, d in enumerate(devs)}
+            codes = np.fromiter(map(code.get, dev, itertools.repeat(-1)), dtype=np.int64, count=len(dev))
+            ok = (codes >= 0) & (node >= 0) & (node < len(w.nodes))
+            for pair in np.unique(node[ok].astype(np.int64) * len(devs) + codes[ok]):
+                i, k = divmod(int(pair), len(devs))
+                out.setdefault(w.nodes[i], _NodeFacts()).hcas.add(str(devs[k]))
     for host, sample in w.hosts.items():
         links = sample.get("interfaces") if isinstance(sample, dict) else None
         if isinstance(links, list | tuple):
@@ -237,39 +305,51 @@ def _node_facts(w: Window) -> dict[str, _NodeFacts]:
     return out
 
 
-def _majority_env(envs: list[dict[str, str]]) -> dict[str, str]:
-    common = Counter(tuple(sorted(e.items())) for e in envs).most_common(1)
+def _majority_env(envs: list[dict[str, str]], counts: list[int] | None = None) -> dict[str, str]:
+    """The most common environment; ``counts``: how many ranks have each of ``envs`` (one each by default)."""
+    tally: Counter[tuple[tuple[str, str], ...]] = Counter()
+    for e, n in zip(envs, counts or [1] * len(envs), strict=True):
+        tally[tuple(sorted(e.items()))] += n
+    common = tally.most_common(1)
     return dict(common[0][0]) if common else {}
 
 
-def _audit_detections(w: Window, run: RunInfo, nodes: dict[str, _NodeFacts], t: Thresholds) -> list[Detection]:
+def _audit_detections(w: Window, run: RunInfo, nodes: dict[str, _NodeFacts], t: Thresholds,
+                      envs: _Envs | None = None) -> list[Detection]:
     """The rule table on the run's common environment (one finding on the run) and, per node, the rules that depend
     on what the node has (its interfaces and HCAs; one finding on the node)."""
-    infos = [i for i in run.ranks.values() if i.meta.get("env") is not None]
-    if not infos:
+    envs = envs or _Envs(run)
+    if not envs.ranks:
         return []
     world = run.world_size or len(run.ranks)
-    env = _majority_env([_all_nccl_env(i.meta) for i in infos])
-    roce = w.interconnect == "roce" or any(nodes[i.node].roce for i in infos if i.node in nodes)
+    env = _majority_env(envs.full, envs.count)
+    roce = w.interconnect == "roce" or any(nodes[n].roce for n in {i.node for _, i, _ in envs.ranks} if n in nodes)
     fabric = "eth" if w.interconnect == "eth" else ("roce" if roce else "ib")
     hits = nccl_rules.audit(env, interconnect=fabric, world_size=world, scale_ranks=t.ib_timeout_scale_ranks,
                             min_at_scale=t.ib_timeout_min)
     out = []
     if hits:
         out.append(_audit_detection("run", run.name, run, hits, node=None))
-    by_node: dict[str, dict[str, str]] = {}
-    for i in infos:
-        if i.node:
-            by_node.setdefault(i.node, _all_nccl_env(i.meta))
-    for node, node_env in sorted(by_node.items()):
+    by_node: dict[str, int] = {}  # node -> the environment of its first rank
+    for _, i, e in envs.ranks:
+        if i.node and i.node not in by_node:
+            by_node[i.node] = e
+    # Most nodes have the same environment and the same devices: the node rules are asked once per distinct case.
+    asked: dict[tuple[int, frozenset[str], frozenset[str]], list[nccl_rules.Hit]] = {}
+    selected: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for node, e in sorted(by_node.items()):
         nf = nodes.get(node)
         if nf is None:
             continue
-        node_hits = [h for h in nccl_rules.audit(
-            node_env, interconnect=fabric, interfaces=nf.interfaces or None, hcas=nf.hcas or None)
-            if h.rule in ("socket_ifname_missing", "ib_hca_missing")]
+        node_env = envs.full[e]
+        case = (e, frozenset(nf.interfaces), frozenset(nf.hcas))
+        if case not in asked:
+            asked[case] = [h for h in nccl_rules.audit(
+                node_env, interconnect=fabric, interfaces=nf.interfaces or None, hcas=nf.hcas or None)
+                if h.rule in ("socket_ifname_missing", "ib_hca_missing")]
+        node_hits = list(asked[case])
         if node_env.get("NCCL_SOCKET_IFNAME"):
-            node_hits = _ifname_hits(node_env["NCCL_SOCKET_IFNAME"], nf, node_hits)
+            node_hits = _ifname_hits(node_env["NCCL_SOCKET_IFNAME"], nf, node_hits, selected)
         if nf.no_iface and node_env.get("NCCL_SOCKET_IFNAME") and not any(
                 h.rule == "socket_ifname_missing" for h in node_hits):
             known = (f"its interfaces: {_shown(list(nf.links.values()))}" if nf.links else
@@ -308,8 +388,8 @@ def _audit_detection(stype: str, subject: str, run: RunInfo, hits: list[nccl_rul
         0.9, node=node, run=run.name)
 
 
-def _drift_detections(run: RunInfo) -> list[Detection]:
-    drift = _drift(run)
+def _drift_detections(run: RunInfo, envs: _Envs | None = None) -> list[Detection]:
+    drift = _drift(run, envs)
     if not drift:
         return []
     by_node: dict[str, list[int]] = {}

@@ -304,7 +304,8 @@ def _port_suspects(q: Table, cluster_rate: float) -> np.ndarray:
     (flapping needs a non-active sample, errors a non-zero count, slowness a low rate)."""
     inactive = {s: bool(s) and not str(s).upper().endswith("ACTIVE") for s in set(q["state"])}
     watched = (*PORT_ERRORS, "link_downed")
-    flagged = np.fromiter((inactive[s] or bool(c and any(c.get(k) for k in watched))
+    # any(map(c.get, ...)): no generator frame per row (~43,000 rows at 2,048 nodes).
+    flagged = np.fromiter((inactive[s] or bool(c and any(map(c.get, watched)))
                            for s, c in zip(q["state"], q["counters"], strict=True)), dtype=bool, count=len(q))
     with np.errstate(invalid="ignore"):
         flagged |= q["rate_gbps"] < 0.9 * cluster_rate
