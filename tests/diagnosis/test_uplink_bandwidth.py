@@ -131,3 +131,107 @@ def test_two_leaves_share_their_uplink_even_when_one_leafs_inside_is_noisy() -> 
         return 0.4 if leaves[a] == "leaf-1" and sec >= 9 else LINK_GBPS
 
     assert keys(TWO, noisy) == {("slow_link", "leaf-1~leaf-2")}
+
+
+# -- pings queued behind narrow transfers: the onset of a rate limit, pass by pass --------------------------------------
+
+ONSET = 8  # the fault starts at this second; a diagnosis pass runs every second from then on
+QUEUED_MS = 15.0  # a ping that waited in the shaper behind the transfers (the testbed saw 7-21 ms at 100 Mb/s)
+DELAY_MS = 30.0
+
+Rtt = Callable[[str, str, dict[str, str], int], float]
+
+
+def passes(leaves: dict[str, str], bw: Bw, rtt: Rtt, bulk_every: int, seconds: int = 16,
+           in_step_until: int = 0) -> list[set[tuple[str, str]]]:
+    """What each pass names from the onset on, the mesh growing by one second between passes, as the server's
+    schedule sees it. Pings each second; a bulk transfer every ``bulk_every`` seconds per node, staggered, to its
+    peers in turn (the testbeds: every 3 s on two racks, every second on one bridge). So the uplink and node rules
+    get their seconds of narrow transfers only seconds after the onset, while a pair's pings are slow from its first
+    round. From the onset to second ``in_step_until`` the agents send in step instead, as agents started together
+    do: all in the same second, each its n-th transfer to its n-th peer, so several land on one node at once."""
+    buf = WindowBuffer()
+    out = []
+    for sec in range(seconds):
+        ts = T0 + sec
+        in_step = ONSET <= sec < in_step_until
+        for i, src in enumerate(sorted(leaves)):
+            peers = sorted(h for h in leaves if h != src)
+            turn, due = divmod(sec if in_step else sec + i, bulk_every)
+            bulk = peers[turn % len(peers)] if due == 0 else None
+            # In step, the rounds (and the transfers that end them) end a few ms apart: within CONTENDED_S.
+            end = ts + 0.02 * i if in_step else ts
+            probes = [{"ts": end, "peer": dst, "sent": 4, "lost": 0, "rtt_ms": rtt(src, dst, leaves, sec),
+                       **({"bw_gbps": bw(src, dst, leaves, sec)} if dst == bulk else {})} for dst in peers]
+            buf.add({"host": src, "sent_at": end, "probes": probes, "hosts": [{"ts": ts, "cpu_pct": 30.0}],
+                     "topology": {"rack": "r" + leaves[src][-1], "switch": leaves[src]}})
+        if sec >= ONSET:
+            out.append({d.key for d in run_all(buf.window(ts), Thresholds())})
+    return out
+
+
+def test_a_crossing_pair_queued_behind_a_narrow_uplink_is_the_uplink_not_a_path() -> None:
+    # The uplink between the two leaves is rate-limited from ONSET: every transfer across it is narrow, and one
+    # crossing pair's pings keep landing behind those transfers in the shaper's queue (agents probe in step, so the
+    # same pair for rounds on end). The pair is slow in every one of its newest probes while both its ends are fine
+    # with everyone else: the path rule's pattern, a second or two before the uplink rule has its three seconds of
+    # narrow transfers. That pair is the uplink's queue, not a bad route: no pass may name it.
+    def limited(a: str, b: str, leaves: dict[str, str], sec: int) -> float:
+        return LIMITED_GBPS if sec >= ONSET and leaves[a] != leaves[b] else LINK_GBPS
+
+    def queued(a: str, b: str, leaves: dict[str, str], sec: int) -> float:
+        return QUEUED_MS if sec >= ONSET and {a, b} == {"n02", "n07"} else QUIET_MS
+
+    got = passes(TWO, limited, queued, bulk_every=3)
+    assert all(found <= {("slow_link", "leaf-1~leaf-2")} for found in got), got
+    assert got[-1] == {("slow_link", "leaf-1~leaf-2")}, got
+
+
+def test_a_crossing_pair_queued_behind_transfers_sent_in_step_is_the_uplink_not_a_path() -> None:
+    # As the testbed caught it: the first round of transfers after the onset is sent in step, four at a time into one
+    # node across the uplink, so every one of them shared its receiver (contended) and the uplink rule, which leaves
+    # those out, waits for the later, lone ones. The four at once share the 100 Mb/s: a quarter of it each, far less
+    # than a quarter of the receiver's link. The crossing pair queued behind them is the uplink's, not a path.
+    def limited(a: str, b: str, leaves: dict[str, str], sec: int) -> float:
+        if sec < ONSET or leaves[a] == leaves[b]:
+            return LINK_GBPS
+        return LIMITED_GBPS / 4 if sec < ONSET + 3 else LIMITED_GBPS
+
+    def queued(a: str, b: str, leaves: dict[str, str], sec: int) -> float:
+        return QUEUED_MS if sec >= ONSET and {a, b} == {"n02", "n07"} else QUIET_MS
+
+    got = passes(TWO, limited, queued, bulk_every=3, in_step_until=ONSET + 3)
+    assert all(found <= {("slow_link", "leaf-1~leaf-2")} for found in got), got
+    assert got[-1] == {("slow_link", "leaf-1~leaf-2")}, got
+
+
+def test_a_pair_queued_behind_a_narrow_node_link_is_the_node_not_a_path() -> None:
+    # n06's own link is rate-limited (tbf on its veth): its transfers are narrow and one of its pairs' pings wait
+    # behind them. The node rule names n06 once it has its rounds of transfers; before that, no pass may name the
+    # path n01~n06 instead.
+    def limited(a: str, b: str, leaves: dict[str, str], sec: int) -> float:
+        return LIMITED_GBPS if sec >= ONSET and "n06" in (a, b) else LINK_GBPS
+
+    def queued(a: str, b: str, leaves: dict[str, str], sec: int) -> float:
+        return QUEUED_MS if sec >= ONSET and {a, b} == {"n01", "n06"} else QUIET_MS
+
+    got = passes(THREE, limited, queued, bulk_every=1)
+    assert all(found <= {("slow_link", "n06")} for found in got), got
+    assert got[-1] == {("slow_link", "n06")}, got
+
+
+@pytest.mark.parametrize("bulk_every", [3, 1])
+def test_a_delayed_path_is_named_though_its_own_transfers_are_narrow(bulk_every: int) -> None:
+    # A genuinely bad route between n02 and n07: 30 ms on every ping, and its own transfers come out narrow (TCP's
+    # slow start over 30 ms). Every other transfer, across the uplink too, is as healthy (and as noisy: one in five
+    # comes out slow, so with a transfer a second each pass sees one or two near the pair) as before: nothing else
+    # loads the pair's links, so it is the path.
+    def delayed_bw(a: str, b: str, leaves: dict[str, str], sec: int) -> float:
+        return LIMITED_GBPS if sec >= ONSET and {a, b} == {"n02", "n07"} else healthy(a, b, leaves, sec)
+
+    def delayed(a: str, b: str, leaves: dict[str, str], sec: int) -> float:
+        return DELAY_MS if sec >= ONSET and {a, b} == {"n02", "n07"} else QUIET_MS
+
+    got = passes(TWO, delayed_bw, delayed, bulk_every)
+    assert all(found <= {("slow_link", "n02~n07")} for found in got), got
+    assert got[-1] == {("slow_link", "n02~n07")}, got

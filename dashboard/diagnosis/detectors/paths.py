@@ -16,7 +16,15 @@ end's CPU is saturated, since user-space pings then wait for the scheduler).
 A rate-limited uplink adds no idle RTT at all: only bulk transfers show it. So a leaf is also judged on the bulk
 transfers that touched it in its last few seconds of them: those that leave it mostly narrow (under ``bw_ratio`` of
 the transfers inside the leaves), those inside it fine. Transfers that shared their receiving node with another
-(:func:`contended`) are left out: each measured a share of that node's link, not its path. Pure numpy, no Django.
+(:func:`contended`) are left out: each measured a share of that node's link, not its path.
+
+A shaped link queues whatever shares it behind the transfers that fill it: pings that cross it in those moments come
+back milliseconds late, and agents that probe in step can put the same pair's pings there round after round. So a
+slow pair is not a path while the links it shares carried narrow transfers in the seconds of its slow probes (those
+between the same two leaves, or to or from either end, other than its own: a bad route slows its own transfers too):
+that is queueing behind a narrow uplink or node link, which the switch or node rule names once it has its seconds
+of transfers. Here a transfer that shared its receiver is not left out but judged against its share of that node's
+link (the transfers that fill a shaped uplink are often sent in step). Pure numpy, no Django.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from dashboard.diagnosis.detectors.base import Detection, Thresholds, rnd
-from dashboard.diagnosis.detectors.network import contended, report_intervals
+from dashboard.diagnosis.detectors.network import CONTENDED_S, contended, report_intervals
 from dashboard.diagnosis.detectors.window import Window
 
 
@@ -154,6 +162,7 @@ def _paths(w: Window, t: Thresholds, mesh: Pairs, skip: set[int]) -> list[Detect
     healthy = (pairs_per_node - bad_per_node >= 1) & (np.nan_to_num(others_bad, nan=0.0) <= 0.5) & \
         (np.nan_to_num(bad_frac, nan=1.0) < t.node_bad_frac)
     out = []
+    load: _Load | None = None  # the transfers, read the first time a pair gets that far (most passes: never)
     for i in np.nonzero(mesh.persistent)[0]:
         a, b = int(mesh.a[i]), int(mesh.b[i])
         if a in skip or b in skip or not (healthy[a] and healthy[b]):
@@ -166,7 +175,89 @@ def _paths(w: Window, t: Thresholds, mesh: Pairs, skip: set[int]) -> list[Detect
         loss = float(np.nansum(w.probes["lost"][sel]) / max(1.0, float(np.nansum(w.probes["sent"][sel]))))
         if loss < 0.2 and not rtt >= mesh.baseline_rtt_ms + t.path_abs_ms:
             continue
+        # Late pings on a link that narrow transfers filled at the time waited in its queue: the switch or node
+        # rule's fault (once it has its seconds of transfers), not this route's. Loss is not queueing.
+        if loss < 0.2:
+            if load is None:
+                load = _Load.of(w, t, mesh)
+            if load.queued(a, b, w.probes["ts"][sel]):
+                continue
         out.append(_path_detection(w, mesh, i, {x: (int(pairs_per_node[x]), int(bad_per_node[x])) for x in (a, b)}))
+    return out
+
+
+# A ping reports when its round ends, up to a round (about a second) after it was sent, and a transfer when it ends,
+# up to a second after the pings it held up: transfers this close to a pair's probes may have shared the link with
+# them.
+QUEUE_SPAN_S = 1.0
+
+
+@dataclass
+class _Load:
+    """The window's bulk transfers, which of them came out narrow, and each node's group: what loaded which link, and
+    when."""
+
+    src: np.ndarray  # node index of each end
+    dst: np.ndarray
+    ts: np.ndarray
+    narrow: np.ndarray
+    code: np.ndarray  # per node index: its group's code (-1: none)
+
+    @classmethod
+    def of(cls, w: Window, t: Thresholds, mesh: Pairs) -> _Load:
+        p = w.probes
+        bw, src, dst = p["bw_gbps"], p["node"], p["peer"]
+        ends = np.union1d(mesh.a, mesh.b)
+        use = ~np.isnan(bw) & (src != dst) & np.isin(src, ends) & np.isin(dst, ends)
+        rows = np.nonzero(use)[0]
+        sharing = _sharing(w)[rows]
+        _, group = groups_of(w)
+        codes = {g: i for i, g in enumerate(sorted(set(group.values())))}
+        code = np.full(len(w.nodes) + 1, -1)
+        for x, g in group.items():
+            code[x] = codes[g]
+        a, b = src[rows].astype(int), dst[rows].astype(int)
+        # What a healthy path moves: the upper quartile of the lone transfers inside the groups (a narrow uplink slows
+        # every transfer across it, so those are not the yardstick), of all lone ones where no group is known.
+        lone = sharing == 1
+        inside = lone & (code[a] >= 0) & (code[a] == code[b])
+        pick = inside if inside.any() else lone if lone.any() else np.ones(len(rows), dtype=bool)
+        base = float(np.percentile(bw[rows][pick], 75)) if len(rows) else np.nan
+        # Agents that probe in step send at once, often several into one node: each measured its share of that
+        # node's link, so a transfer is narrow only when it moved less than its share would on a healthy path. Left
+        # out instead (as the switch rule leaves them), the transfers that filled a shaped uplink in its first
+        # seconds were every one of them contended, and the pair queued behind them was named a path.
+        return cls(a, b, p["ts"][rows], bw[rows] * sharing < t.bw_ratio * base, code)
+
+    def queued(self, a: int, b: int, ts: np.ndarray) -> bool:
+        """Whether a link the pair ``a``~``b`` shares carried narrow transfers around its probes (``ts``), half or more:
+        the transfers between the same two groups (across the same uplinks), or those of either end (its own link)."""
+        near = (self.ts >= np.nanmin(ts) - QUEUE_SPAN_S) & (self.ts <= np.nanmax(ts) + QUEUE_SPAN_S)
+        # The pair's own transfers say nothing here: a bad route slows them as much as a narrow link would.
+        near &= ~(((self.src == a) & (self.dst == b)) | ((self.src == b) & (self.dst == a)))
+        links = [(self.src == a) | (self.dst == a), (self.src == b) | (self.dst == b)]
+        ga, gb = self.code[a], self.code[b]
+        if ga >= 0 and gb >= 0 and ga != gb:
+            ca, cb = self.code[self.src], self.code[self.dst]
+            links.append(((ca == ga) & (cb == gb)) | ((ca == gb) & (cb == ga)))
+        # At least half of them narrow, not any one: now and then a healthy transfer comes out slow (a busy CPU), and
+        # one such among fast ones must not hide a bad route.
+        return any((through := near & link).any() and 2 * self.narrow[through].sum() >= through.sum()
+                   for link in links)
+
+
+def _sharing(w: Window) -> np.ndarray:
+    """Per probe row: how many bulk transfers into its receiving node ended together with it (its run of transfers
+    each within :data:`CONTENDED_S` of the next, as :func:`contended` counts them; 1 when alone or no transfer)."""
+    p = w.probes
+    out = np.ones(len(p))
+    rows = np.nonzero(~np.isnan(p["bw_gbps"]))[0]
+    if len(rows) < 2:
+        return out
+    rows = rows[np.lexsort((p["ts"][rows], p["peer"][rows]))]
+    apart = (p["peer"][rows][1:] != p["peer"][rows][:-1]) | (np.diff(p["ts"][rows]) >= CONTENDED_S)
+    run = np.r_[0, np.cumsum(apart)]
+    out[rows] = np.bincount(run)[run]
     return out
 
 
@@ -211,17 +302,19 @@ def _switches(w: Window, t: Thresholds, mesh: Pairs) -> list[Detection]:
         return []
     # Group names as integer codes (-1: no group), so each group's pairs are two integer comparisons.
     names = sorted(set(group.values()))
+    codes = {g: i for i, g in enumerate(names)}
     code = np.full(len(w.nodes) + 1, -1)
-    for x, g in group.items():
-        code[x] = names.index(g)
+    members: dict[str, list[int]] = {g: [] for g in names}  # each group's nodes, in one pass over the nodes
+    for x, g in sorted(group.items()):
+        code[x] = codes[g]
+        members[g].append(x)
     ga, gb = code[mesh.a], code[mesh.b]
     mostly = mesh.mostly_bad
     bulk = _Bulk.of(w, code, mesh)
     sides, flagged = {}, []
     for i, g in enumerate(names):
         in_a, in_b = ga == i, gb == i
-        side = _Side(g, sorted(x for x, v in group.items() if v == g), np.nonzero(in_a ^ in_b)[0],
-                     np.nonzero(in_a & in_b)[0])
+        side = _Side(g, members[g], np.nonzero(in_a ^ in_b)[0], np.nonzero(in_a & in_b)[0])
         sides[g] = side
         if _uplink_bad(t, mesh, mostly, side):
             flagged.append(g)
