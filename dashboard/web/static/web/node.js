@@ -148,26 +148,27 @@ function xRange() {
 const WEBGL_CHARTS = new Set(["chart-util", "chart-mem", "chart-power", "chart-temp", "chart-clock"]);
 const SVG_MAX_POINTS = 20000;
 
-// The first screen (utilisation, memory, power, temperature) is drawn at once; every other chart in a task of its own
-// afterwards, so the page paints its answer without waiting for twenty plots, and stays responsive while the rest
-// come in (a plot costs ~50-200 ms of main thread).
-const FIRST_SCREEN = new Set(["chart-util", "chart-mem", "chart-power", "chart-temp"]);
-const later = new Map(); // id -> draw: the newest wins when a chart is redrawn before its turn
+// Utilisation is drawn at once, the rest of the first screen (memory, power, temperature) in the tasks right after
+// it, then every other chart in a task of its own: the page paints its answer without waiting for twenty plots, and
+// stays responsive while the rest come in (a plot costs ~50-400 ms of main thread, the most where the browser
+// renders WebGL in software).
+const FIRST = "chart-util";
+const FIRST_SCREEN = new Set(["chart-mem", "chart-power", "chart-temp"]);
+const soon = new Map(); // id -> draw, for the first screen: the newest wins when a chart is redrawn before its turn
+const later = new Map(); // the same for every other chart, after those
 function pump() {
-  const [id, draw] = later.entries().next().value || [];
+  const queue = soon.size ? soon : later;
+  const [id, draw] = queue.entries().next().value || [];
   if (!id) return;
-  later.delete(id);
+  queue.delete(id);
   draw();
-  if (later.size) setTimeout(pump, 0);
+  if (soon.size || later.size) setTimeout(pump, 0);
 }
 
 function chart(id, traces, yTitle, extra = {}) {
-  if (!FIRST_SCREEN.has(id)) {
-    if (!later.size) setTimeout(pump, 0);
-    later.set(id, () => drawChart(id, traces, yTitle, extra));
-    return;
-  }
-  drawChart(id, traces, yTitle, extra);
+  if (id === FIRST) { drawChart(id, traces, yTitle, extra); return; }
+  if (!soon.size && !later.size) setTimeout(pump, 0);
+  (FIRST_SCREEN.has(id) ? soon : later).set(id, () => drawChart(id, traces, yTitle, extra));
 }
 
 function drawChart(id, traces, yTitle, extra) {
