@@ -332,6 +332,7 @@ TIMELINE_JS = """
     out.push([r.startTime, r.responseEnd, `${r.initiatorType} ${path.length > 60 ? path.slice(0, 57) + "..." : path}`]);
   }
   for (const [id, t] of Object.entries((window.__cdx || {}).marks || {})) out.push([t, t, `painted #${id}`]);
+  for (const m of performance.getEntriesByType("mark")) out.push([m.startTime, m.startTime, `mark ${m.name}`]);
   return out.sort((a, b) => a[0] - b[0]);
 })()
 """

@@ -335,6 +335,7 @@ function renderSeriesTables() {
 let everything = true; // a new range redraws every chart; a live frame only the four rows it grows
 function draw() {
   if (!series || !window.Plotly) return; // loadPlotly() below marks the page dirty once plotly has run
+  performance.mark("cdx:draw");
   drawLiveCharts();
   if (everything) { everything = false; drawGpuCharts(); drawNodeCharts(); }
 }
@@ -348,6 +349,7 @@ function points() {
 async function loadSeries() {
   const gpu = GPU === null ? "" : `&gpu=${GPU}`;
   series = await getJSON(`${DATA.api.series}?${rangeQuery(range)}&points=${points()}${gpu}`);
+  performance.mark("cdx:series");
   const fresh = {};
   for (const [k, lv] of Object.entries(live)) { // keep live points newer than the last bucket the server sent
     const s = series.gpus[k];

@@ -62,6 +62,7 @@ export function loadPlotly() {
     tag.addEventListener("error", resolve, {once: true}); // the charts stay empty; the page's tables still work
     document.head.appendChild(tag);
   }).then(() => {
+    performance.mark("cdx:plotly-ready"); // benchmarks/browser.py --timeline shows it
     // Each waiting figure in a task of its own, so the page's own first screen (drawn when it marks itself dirty on
     // this promise) is not held behind all of them; one redrawn since with newer data is not drawn stale.
     const queue = window.Plotly ? [...waiting] : [];
