@@ -99,6 +99,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "dashboard.web.context.assets",
             ]
         },
     }
@@ -189,6 +190,14 @@ STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # whitenoise warns at start-up w
 STATICFILES_DIRS = [("vendor/plotly", str(Path(plotly.__file__).parent / "package_data"))]
 WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG
+
+
+def _immutable(path: str, url: str) -> bool:
+    # Pages ask for plotly with its version in the query (dashboard.web.context): that file never changes under its URL.
+    return url.endswith("/vendor/plotly/plotly.min.js")
+
+
+WHITENOISE_IMMUTABLE_FILE_TEST = _immutable
 
 # --- clusterdx ---------------------------------------------------------------------------------------------------
 CLUSTERDX = {

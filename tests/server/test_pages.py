@@ -52,6 +52,22 @@ def test_plotly_is_served_from_the_installed_package(client: Any, world: World) 
     assert len(body) > 1_000_000 and b"plotly" in body[:2000].lower()
 
 
+def test_pages_ask_for_plotly_by_version_and_keep_it_cached(client: Any, world: World) -> None:
+    """Plotly's 4.6 MB under a URL naming its version, served as immutable: a browser keeps it (and its compiled code)
+    across pages; an upgraded plotly is another URL. The app's own files keep a short max-age (no version in their
+    URLs)."""
+    import plotly
+
+    post(client, make_batch(), world.token)
+    client.force_login(world.owner)
+    versioned = f"/static/vendor/plotly/plotly.min.js?v={plotly.__version__}"
+    for url in (f"/clusters/{world.cluster.name}/", f"/runs/{Run.objects.get().id}/",
+                f"/clusters/{world.cluster.name}/nodes/node-000/"):
+        assert versioned.encode() in client.get(url).content, url
+    assert "immutable" in client.get(versioned)["Cache-Control"]
+    assert "immutable" not in client.get("/static/web/node.js")["Cache-Control"]
+
+
 def test_the_openapi_document_describes_the_wire_format(client: Any) -> None:
     r = client.get("/api/openapi.json")
     assert r.status_code == 200
