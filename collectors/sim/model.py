@@ -315,6 +315,12 @@ class SimCluster:
             # probe source does) so every node is probed by about eight peers every second, not all at once
             k = (int(now) + 8 * n) % len(peers)
             peers = (peers[k:] + peers[:k])[:8]
+        # One bulk transfer per node and round, as the real source sends, to the peer a rotating shift away: the
+        # shift is the same for every node in a round, so each node receives exactly one transfer and none measures
+        # a share of its link (the server credits transfers that arrive together with their share).
+        bulk = (n + 1 + int(now) % (self.s.nodes - 1)) % self.s.nodes if self.s.nodes > 1 else None
+        if bulk is not None and bulk not in peers:
+            peers.append(bulk)
         out = []
         for p in peers:
             if self.node_down(now, p):
@@ -326,8 +332,10 @@ class SimCluster:
                     if f.params.get("mode", "delay") == "delay":
                         rtt += f.magnitude
                     bw /= 1 + f.magnitude
-            out.append({"ts": now, "peer": node_name(p), "sent": 5, "lost": 0, "rtt_ms": rtt, "rtt_p99_ms": rtt * 1.3,
-                        "bw_gbps": max(0.1, bw)})
+            row = {"ts": now, "peer": node_name(p), "sent": 5, "lost": 0, "rtt_ms": rtt, "rtt_p99_ms": rtt * 1.3}
+            if p == bulk:
+                row["bw_gbps"] = max(0.1, bw)
+            out.append(row)
         return out
 
     def _run_meta(self, now: float, n: int) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from dashboard.diagnosis.detectors.base import Detection, Thresholds, rnd
-from dashboard.diagnosis.detectors.network import CONTENDED_S, contended, report_intervals
+from dashboard.diagnosis.detectors.network import contended, report_intervals, sharing
 from dashboard.diagnosis.detectors.window import Window
 
 
@@ -210,7 +210,7 @@ class _Load:
         ends = np.union1d(mesh.a, mesh.b)
         use = ~np.isnan(bw) & (src != dst) & np.isin(src, ends) & np.isin(dst, ends)
         rows = np.nonzero(use)[0]
-        sharing = _sharing(w)[rows]
+        share = sharing(w)[rows]
         _, group = groups_of(w)
         codes = {g: i for i, g in enumerate(sorted(set(group.values())))}
         code = np.full(len(w.nodes) + 1, -1)
@@ -219,7 +219,7 @@ class _Load:
         a, b = src[rows].astype(int), dst[rows].astype(int)
         # What a healthy path moves: the upper quartile of the lone transfers inside the groups (a narrow uplink slows
         # every transfer across it, so those are not the yardstick), of all lone ones where no group is known.
-        lone = sharing == 1
+        lone = share == 1
         inside = lone & (code[a] >= 0) & (code[a] == code[b])
         pick = inside if inside.any() else lone if lone.any() else np.ones(len(rows), dtype=bool)
         base = float(np.percentile(bw[rows][pick], 75)) if len(rows) else np.nan
@@ -227,7 +227,7 @@ class _Load:
         # node's link, so a transfer is narrow only when it moved less than its share would on a healthy path. Left
         # out instead (as the switch rule leaves them), the transfers that filled a shaped uplink in its first
         # seconds were every one of them contended, and the pair queued behind them was named a path.
-        return cls(a, b, p["ts"][rows], bw[rows] * sharing < t.bw_ratio * base, code)
+        return cls(a, b, p["ts"][rows], bw[rows] * share < t.bw_ratio * base, code)
 
     def queued(self, a: int, b: int, ts: np.ndarray) -> bool:
         """Whether a link the pair ``a``~``b`` shares carried narrow transfers around its probes (``ts``), half or more:
@@ -244,21 +244,6 @@ class _Load:
         # one such among fast ones must not hide a bad route.
         return any((through := near & link).any() and 2 * self.narrow[through].sum() >= through.sum()
                    for link in links)
-
-
-def _sharing(w: Window) -> np.ndarray:
-    """Per probe row: how many bulk transfers into its receiving node ended together with it (its run of transfers
-    each within :data:`CONTENDED_S` of the next, as :func:`contended` counts them; 1 when alone or no transfer)."""
-    p = w.probes
-    out = np.ones(len(p))
-    rows = np.nonzero(~np.isnan(p["bw_gbps"]))[0]
-    if len(rows) < 2:
-        return out
-    rows = rows[np.lexsort((p["ts"][rows], p["peer"][rows]))]
-    apart = (p["peer"][rows][1:] != p["peer"][rows][:-1]) | (np.diff(p["ts"][rows]) >= CONTENDED_S)
-    run = np.r_[0, np.cumsum(apart)]
-    out[rows] = np.bincount(run)[run]
-    return out
 
 
 def _path_detection(w: Window, mesh: Pairs, i: int, ends: dict[int, tuple[int, int]]) -> Detection:
