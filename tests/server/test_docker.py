@@ -152,6 +152,22 @@ def test_the_dockerfile_copies_every_package() -> None:
     assert build_parser().parse_args([a.strip(' "') for a in cmd.split(",")][1:])
 
 
+def test_the_image_installs_the_browser_bundle_where_the_settings_look() -> None:
+    """The build stage runs npm ci on the checked-in lock file and its node_modules land where settings look for
+    plotly's cartesian bundle (and pyproject's package data takes it into the installed package)."""
+    from django.conf import settings
+
+    text = (ROOT / "docker" / "Dockerfile").read_text()
+    assert "COPY dashboard/web/npm/package.json dashboard/web/npm/package-lock.json ./" in text
+    assert "RUN npm ci --omit=dev" in text
+    target = re.search(r"^COPY --from=browser-deps /deps/node_modules (\S+)$", text, re.M).group(1)
+    assert (ROOT / target).resolve() == settings.PLOTLY_CARTESIAN_DIR.parent
+    assert text.index("COPY --from=browser-deps") < text.index("RUN pip install .")
+    assert "npm/node_modules/plotly.js-cartesian-dist-min/*" in (ROOT / "pyproject.toml").read_text()
+    lock = json.loads((ROOT / "dashboard/web/npm/package-lock.json").read_text())
+    assert "node_modules/" + settings.PLOTLY_CARTESIAN_DIR.name in lock["packages"]
+
+
 def caddy_env(home: Path) -> dict[str, str]:
     """No CLUSTERDX_* of ours, and Caddy's data (its CA, made by `validate` too) under ``home``, not the user's."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLUSTERDX_")}

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
+from django.conf import settings as django_settings
 
 from clusterdx import wire
 from dashboard.telemetry.models import Run
+from dashboard.web import context
 from tests.server.conftest import World, make_batch, post
 
 pytestmark = pytest.mark.django_db
@@ -31,7 +35,7 @@ def test_members_see_the_cluster_and_run_pages(client: Any, world: World) -> Non
         assert home.status_code == 200 and b"prod-a" in home.content and b"prod-b" not in home.content
         page = client.get(f"/runs/{run.id}/")
         assert page.status_code == 200
-        assert b"/static/vendor/plotly/plotly.min.js" in page.content, "plotly.js is served locally, never a CDN"
+        assert b"/static/vendor/plotly" in page.content, "plotly.js is served locally, never a CDN"
         assert b"cdn" not in page.content.lower()
         assert client.get(f"/clusters/{world.cluster.name}/").status_code == 200
 
@@ -53,19 +57,45 @@ def test_plotly_is_served_from_the_installed_package(client: Any, world: World) 
 
 
 def test_pages_ask_for_plotly_by_version_and_keep_it_cached(client: Any, world: World) -> None:
-    """Plotly's 4.6 MB under a URL naming its version, served as immutable: a browser keeps it (and its compiled code)
-    across pages; an upgraded plotly is another URL. The app's own files keep a short max-age (no version in their
-    URLs)."""
+    """Plotly under a URL naming its version, served as immutable: a browser keeps it (and its compiled code) across
+    pages; an upgraded plotly is another URL. The pages whose first paint is a chart load the cartesian bundle that
+    scripts/bootstrap.sh installs (a third of the full one's evaluation, no WebGL traces: data-gl="0"); the others
+    the full one. The app's own files keep a short max-age (no version in their URLs)."""
     import plotly
 
     post(client, make_batch(), world.token)
     client.force_login(world.owner)
-    versioned = f"/static/vendor/plotly/plotly.min.js?v={plotly.__version__}"
-    for url in (f"/clusters/{world.cluster.name}/", f"/runs/{Run.objects.get().id}/",
-                f"/clusters/{world.cluster.name}/nodes/node-000/"):
-        assert versioned.encode() in client.get(url).content, url
-    assert "immutable" in client.get(versioned)["Cache-Control"]
+    package = django_settings.PLOTLY_CARTESIAN_DIR / "package.json"
+    assert package.is_file(), "scripts/bootstrap.sh installs plotly's cartesian bundle (npm ci in dashboard/web/npm)"
+    version = json.loads(package.read_text())["version"]
+    cartesian = f"/static/vendor/plotly-cartesian/plotly-cartesian.min.js?v={version}"
+    full = f"/static/vendor/plotly/plotly.min.js?v={plotly.__version__}"
+    run_id = Run.objects.get().id
+    for url in (f"/clusters/{world.cluster.name}/", f"/runs/{run_id}/", f"/clusters/{world.cluster.name}/nodes/node-000/"):
+        page = client.get(url).content
+        assert f'href="{cartesian}" data-gl="0"'.encode() in page and full.encode() not in page, url
+    assert full.encode() in client.get(f"/clusters/{world.cluster.name}/links/").content
+    for asset in (cartesian, full):
+        r = client.get(asset)
+        assert r.status_code == 200 and "immutable" in r["Cache-Control"], asset
+    body = b"".join(client.get(cartesian).streaming_content)
+    assert len(body) > 1_000_000 and b"scattergl" not in body[:3000], "the cartesian bundle, not the full one"
     assert "immutable" not in client.get("/static/web/node.js")["Cache-Control"]
+
+
+def test_without_the_cartesian_bundle_every_page_loads_the_full_one(client: Any, world: World, tmp_path: Path,
+                                                                   settings: Any) -> None:
+    import plotly
+
+    post(client, make_batch(), world.token)
+    client.force_login(world.owner)
+    settings.PLOTLY_CARTESIAN_DIR = tmp_path / "absent"
+    context._chart_js.cache_clear()
+    try:
+        page = client.get(f"/clusters/{world.cluster.name}/nodes/node-000/").content
+    finally:
+        context._chart_js.cache_clear()
+    assert f'href="/static/vendor/plotly/plotly.min.js?v={plotly.__version__}" data-gl="1"'.encode() in page
 
 
 def test_the_openapi_document_describes_the_wire_format(client: Any) -> None:

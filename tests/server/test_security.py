@@ -181,13 +181,14 @@ def test_the_pages_draw_under_the_csp_without_a_violation(asgi_server: AsgiServe
     strict.fill("input[name=password]", world.password)
     strict.click("button[type=submit]")
     strict.wait_for_url(f"{asgi_server.url}/clusters/{name}/")
-    for path in (f"/clusters/{name}/", f"/runs/{run.id}/", f"/clusters/{name}/nodes/node-000/", f"/clusters/{name}/findings/"):
+    for path in (f"/clusters/{name}/", f"/runs/{run.id}/", f"/clusters/{name}/nodes/node-000/", f"/clusters/{name}/findings/",
+                 f"/clusters/{name}/links/"):
         response = strict.goto(f"{asgi_server.url}{path}")
         assert response is not None and "script-src 'self';" in response.headers["content-security-policy"]
         _poll(strict, "() => (document.getElementById('live-status') || {}).textContent === 'live'")
         if "/findings/" not in path:  # the charts drew (plotly ran under the policy)
             _poll(strict, "() => document.querySelectorAll('.js-plotly-plot .main-svg').length > 0")
-        if "/nodes/" in path:  # WebGL traces (the node page switches to scattergl past 20,000 points)
+        if "/links/" in path:  # WebGL traces (the link matrix past 64 nodes; pages on the cartesian bundle have none)
             drawn = strict.evaluate("""async () => { const d = document.createElement('div'); document.body.appendChild(d);
                 await Plotly.newPlot(d, [{type: 'scattergl', mode: 'lines', x: [1, 2, 3], y: [3, 1, 2]}]);
                 return d.querySelectorAll('canvas.gl-canvas-context').length; }""")

@@ -79,9 +79,15 @@ export function loadPlotly() {
   return plotlyLoaded;
 }
 
+// The chart-first pages load plotly's cartesian bundle (data-gl="0" on #plotly-src: a third of the full bundle's
+// evaluation), which has no WebGL traces: theirs are drawn as SVG lines, which the server's downsampling keeps small.
+const GL = document.getElementById("plotly-src")?.dataset.gl !== "0";
+const drawable = (traces) => (GL ? traces : traces.map((t) => (t.type === "scattergl" ? {...t, type: "scatter"} : t)));
+
 export function react(id, traces, lay, config = CONFIG) {
   const el = typeof id === "string" ? document.getElementById(id) : id;
   if (!el) return el;
+  traces = drawable(traces);
   latest.set(el, ++calls);
   if (window.Plotly) Plotly.react(el, traces, lay, config);
   else { waiting.set(el, [calls, traces, lay, config]); loadPlotly(); }
