@@ -277,6 +277,17 @@ def _browse(asgi_server: AsgiServer, page: Any, tmp_path: Path) -> None:
     no_js_errors(page)
     keep_screenshot(page, "node", tmp_path)
 
+    # A live frame redraws only the charts in view; one below the screen draws its newest figure when scrolled to.
+    page.set_viewport_size({"width": 1400, "height": 600})
+    page.evaluate("window.scrollTo(0, 0)")
+    page.wait_for_timeout(300)  # the observer reports the new layout
+    temp, util = _points(page, "chart-temp"), _points(page, "chart-util")
+    page.wait_for_function(f"Number(document.getElementById('chart-util').dataset.points) > {util + 4}", timeout=15_000)
+    assert _points(page, "chart-temp") == temp, "a chart out of view is not redrawn on every frame"
+    page.locator("#chart-temp").scroll_into_view_if_needed()
+    page.wait_for_function(f"Number(document.getElementById('chart-temp').dataset.points) > {temp}", timeout=5_000)
+    no_js_errors(page)
+
     page.goto(f"{asgi_server.url}/clusters/prod-a/nodes/node-001/gpus/1/?range=15m")
     wait_live(page)
     page.wait_for_function("Number(document.getElementById('chart-ecc-sbe').dataset.points || 0) > 0")
