@@ -350,7 +350,7 @@ function renderSeriesTables() {
 
 let everything = true; // a new range redraws every chart; a live frame only the four rows it grows
 function draw() {
-  if (!series || !window.Plotly) return; // loadPlotly() below marks the page dirty once plotly has run
+  if (!series || !window.Plotly) return false; // loadPlotly() below marks the page dirty once plotly has run
   performance.mark("cdx:draw");
   drawLiveCharts(!everything);
   if (everything) { everything = false; drawGpuCharts(); drawNodeCharts(); }
@@ -422,8 +422,8 @@ function onFrame(frame) {
 }
 
 range = rangePicker($("range"), (r) => { range = r; live = {}; loadSeries(); });
+loadSeries(); // on the wire first: the tables below take a few hundred ms to render on a busy machine
 renderAllFacts();
-loadSeries();
 connectLive(facts.live.ws, onFrame);
 loadPlotly().then(markDirty); // after the requests above are on the wire: the server works while plotly evaluates
 // A live range slides: the server's buckets are refetched every minute so the left edge and the rollups follow.

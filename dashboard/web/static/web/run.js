@@ -271,7 +271,9 @@ function drawLists() {
 
 const markDirty = drawLoop(() => {
   drawLists();
-  if (window.Plotly) { drawSteps(); drawRanks(); drawGpus(); } // loadPlotly() below marks the page dirty once it has run
+  if (!window.Plotly) return false; // loadPlotly() below marks the page dirty once it has run: the charts then draw at once
+  drawSteps(); drawRanks(); drawGpus();
+  return true;
 }, 500);
 
 // -- settings and NCCL -------------------------------------------------------------------------------------------
