@@ -618,7 +618,7 @@ def _nccl(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any
 
 # The Thresholds fields each kind's detector compares against (shown with the numbers).
 PARAMS: dict[str, tuple[str, ...]] = {
-    "data_starvation": ("z", "data_share_min", "persist_steps", "recent_steps", "run_starved_share"),
+    "data_starvation": ("z", "data_share_min", "data_min_s", "persist_steps", "recent_steps", "run_starved_share"),
     "straggler": ("z", "compute_ratio_min", "late_min_frac", "persist_steps", "recent_steps"),
     "slow_link": ("rtt_ratio", "rtt_abs_ms", "loss_frac", "bw_ratio", "node_bad_frac", "port_error_samples"),
     "failing_gpu": ("sbe_min", "sbe_samples", "pcie_replay_min", "nvlink_errors_min"),

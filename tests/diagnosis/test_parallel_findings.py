@@ -138,6 +138,18 @@ def test_it_names_a_starving_rank_in_its_data_parallel_group_as_starvation() -> 
     assert found[0].evidence["metrics"]["role"] == "dp"
 
 
+def test_a_member_a_few_ms_late_beside_one_starved_for_half_a_second_is_not_named() -> None:
+    """The group waits for its latest member: rank 1's 16 ms (a loaded host's scheduler) beside rank 2's 500 ms costs
+    the group nothing; on its own, the same 16 ms in a 0.3 s step is named (the lag floor is 2 % of the step)."""
+    def groups(lags: dict[int, float]) -> Groups:  # each member is blocked until the latest one arrives
+        latest = max(lags.values())
+        return lambda step, r: [_g("dp", 0, r, 4, 0.2 + lags.get(r, 0.0), 0.01 + latest - lags.get(r, 0.0))]
+    found = diagnose(window(data={2: 0.5}, groups=groups({1: 0.016, 2: 0.5})))
+    assert keys(found, "data_starvation", "straggler") == [("data_starvation", "r/rank2")]
+    alone = diagnose(window(groups=groups({1: 0.016})))
+    assert keys(alone, "data_starvation", "straggler") == [("straggler", "r/rank1")]
+
+
 # -- exposed communication, memory ----------------------------------------------------------------------------------
 
 def test_it_reports_exposed_communication_with_tp_across_nodes_and_a_forced_algorithm() -> None:

@@ -43,6 +43,9 @@ class Thresholds:
     persist_steps: int = 3
     late_min_frac: float = 0.02  # lateness must also be >= this share of the median step time
     data_share_min: float = 0.05  # a starved rank waits at least this share of its step for data
+    # ... and at least this long: a few ms is a busy host's scheduler, not a loader (the rate-limited testbed's rank
+    # waited 4 ms, 6 % of its 70 ms step, and was named starved next to the link that slowed it)
+    data_min_s: float = 0.01
     compute_ratio_min: float = 1.04
     run_starved_share: float = 0.15  # every rank waits this share: the whole run is starved
     run_wide_frac: float = 0.9  # "every rank": this share of the ranks; fewer culprits are each named

@@ -27,6 +27,7 @@ INNER = ("tp", "cp", "ep", "pp")
 ROLE_NAME = {"tp": "tensor-parallel", "cp": "context-parallel", "ep": "expert-parallel", "pp": "pipeline",
              "dp": "data-parallel", "world": "world", "other": "process"}
 MIN_LAG_S = 0.005  # a lag under 5 ms is jitter whatever the step time (a loaded host's scheduler moves ranks by 3 ms)
+WORST_SHARE = 0.1  # a member is late only if at least this share as late as the group's latest at that step
 EXPOSED_WARN = 0.30  # exposed (not overlapped) communication share of the step
 EXPOSED_ERROR = 0.50
 _NO_RANK = RankInfo(None, None, {})
@@ -148,7 +149,10 @@ def _late_run(w: Window, rs: RunSteps, groups: list[Group], t: Thresholds) -> li
             # stage (2% of the step named the last stage of a healthy real pipeline).
             min_lag = max(min_lag, _bubble(rs, len(g.ranks)) * rs.step_med)
         lag = _lag(g)
-        flags = lag >= min_lag
+        # The group waits for its latest member: one a tenth as late costs the group nothing while that one is there
+        # (a loaded host's 16 ms beside a rank starved for 500 ms was named), and once it is fixed the next pass
+        # names the other if it persists.
+        flags = (lag >= min_lag) & (lag >= WORST_SHARE * lag.max(axis=0, keepdims=True))
         flags[:, flags.sum(axis=0) > len(g.ranks) / 2] = False
         mine = present[[row[r] for r in g.ranks]]
         hit = _persistent(flags & mine, mine, t.recent_steps, t.persist_steps)

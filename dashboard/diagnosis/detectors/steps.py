@@ -113,12 +113,12 @@ def _late_in_run(w: Window, rs: RunSteps, t: Thresholds, skip: set[int] | None =
         lz, amed = robust_z(arrive, 0, floor=0.005 * med_step)
         late = (lz > t.z) & (arrive - amed > t.late_min_frac * med_step)
         dz, dmed = robust_z(data, 0, floor=0.005 * med_step)
-        starved = (dz > t.z) & (data / m["step_time_s"] >= t.data_share_min)
+        starved = (dz > t.z) & (data / m["step_time_s"] >= t.data_share_min) & (data >= t.data_min_s)
         cz, cmed = robust_z(comp, 0, floor=0.01 * np.nanmedian(comp))
         slow = (cz > t.z) & (comp >= t.compute_ratio_min * cmed)
         # Several at once: against the lower ranks, with the same minimum sizes (and lateness in absolute terms).
         dlz, dref = _low_ref(data, 0.005 * med_step)
-        starved_low = (dlz > t.z) & (data / m["step_time_s"] >= t.data_share_min) & \
+        starved_low = (dlz > t.z) & (data / m["step_time_s"] >= t.data_share_min) & (data >= t.data_min_s) & \
             (data - dref > t.late_min_frac * med_step)
         clz, cref = _low_ref(comp, 0.01 * np.nanmedian(comp))
         slow_low = (clz > t.z) & (comp >= t.compute_ratio_min * cref) & (comp - cref > t.late_min_frac * med_step)
