@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from django.db import connections
 from django.db.models import Avg, Case, F, FloatField, Func, Max, Min, QuerySet, Sum, When
 from django.db.models.functions import Floor
 from django.http import HttpRequest
@@ -108,32 +109,50 @@ def _rollup_stats(f: str) -> tuple[Any, Any, Any]:
     return Min(f"{f}_min"), Sum(F(mean) * F("n"), output_field=FloatField()) / Sum(weight), Max(f"{f}_max")
 
 
+STATS = ("min", "mean", "max")
+
+
 def downsample(qs: QuerySet[Any], tr: TimeRange, fields: list[str], by: list[str] | None = None,
-               ts: str = "ts", stats: Callable[[str], tuple[Any, Any, Any]] = _raw_stats) -> dict[str, dict[str, Any]]:
+               ts: str = "ts", stats: Callable[[str], tuple[Any, Any, Any]] = _raw_stats,
+               keep: dict[str, tuple[str, ...]] | None = None) -> dict[str, dict[str, Any]]:
     """Rows of ``qs`` in ``tr`` grouped into buckets of ``tr.bucket_s`` (per value of the ``by`` columns).
 
     Returns ``{group: {"t": [bucket start...], field: {"min": [...], "mean": [...], "max": [...]}}}`` where group is
     the ``by`` values joined by "|" ("" without ``by``). Empty buckets are absent: the charts draw a gap there.
-    ``stats`` gives a field's (min, mean, max) aggregates: of raw rows by default, ``_rollup_stats`` for rollups."""
+    ``stats`` gives a field's (min, mean, max) aggregates: of raw rows by default, ``_rollup_stats`` for rollups.
+    ``keep`` (field -> statistics) computes only those for a field (a counter needs its max, not three aggregates)."""
     by = by or []
     width = tr.bucket_s
     aggs: dict[str, Any] = {}
+    wanted: list[tuple[str, str]] = []
     for f in fields:
-        aggs[f"{f}__min"], aggs[f"{f}__mean"], aggs[f"{f}__max"] = stats(f)
+        exprs = dict(zip(STATS, stats(f), strict=True))
+        for stat in (keep or {}).get(f, STATS):
+            aggs[f"{f}__{stat}"] = exprs[stat]
+            wanted.append((f, stat))
     # Rows from the first whole bucket on: at most ``points`` buckets, whatever the range's ragged edges.
     rows = (in_range(qs, TimeRange(tr.first_bucket_t, tr.t1, tr.points), ts).annotate(bucket=Floor(Epoch(F(ts)) / width))
             .values(*by, "bucket").annotate(**aggs).order_by(*by, "bucket"))
+    # The driver's rows as they come, column by column: Django's per-cell converters and one dict per row were most
+    # of a node page's answer (a 15 min range is 7,200 GPU rows x 43 aggregates).
+    sql, params = rows.query.sql_with_params()
+    with connections[rows.db].cursor() as cursor:
+        cursor.execute(sql, params)
+        fetched = cursor.fetchall()
     out: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        key = "|".join(str(row[b]) for b in by)
-        series = out.get(key)
-        if series is None:
-            series = out[key] = {"t": [], **{f: {"min": [], "mean": [], "max": []} for f in fields}}
-        series["t"].append(row["bucket"] * width)
-        for f in fields:
-            for stat in ("min", "mean", "max"):
-                v = row[f"{f}__{stat}"]
-                series[f][stat].append(float(v) if v is not None else None)
+    nb = len(by)
+    start = 0
+    while start < len(fetched):
+        key_vals = fetched[start][:nb]
+        stop = start + 1
+        while stop < len(fetched) and fetched[stop][:nb] == key_vals:
+            stop += 1
+        cols = list(zip(*fetched[start:stop], strict=True))
+        series: dict[str, Any] = {"t": [float(b) * width for b in cols[nb]]}
+        for c, (f, stat) in enumerate(wanted, start=nb + 1):
+            series.setdefault(f, {})[stat] = [None if v is None else float(v) for v in cols[c]]
+        out["|".join(str(v) for v in key_vals)] = series
+        start = stop
     return out
 
 
@@ -163,25 +182,27 @@ def tiered(tr: TimeRange, now: float | None = None) -> TimeRange:
 
 
 def downsample_tiered(model: type[Any], where: dict[str, Any], tr: TimeRange, fields: list[str],
-                      by: list[str] | None = None) -> dict[str, dict[str, Any]]:
+                      by: list[str] | None = None, keep: dict[str, tuple[str, ...]] | None = None
+                      ) -> dict[str, dict[str, Any]]:
     """``downsample`` of ``model``'s rows matching ``where``, from the tier ``tr`` names: rollup windows up to the
     last rollup pass, raw rows after it (the last bucket or two of a live chart), split on a bucket edge so that no
     bucket mixes the two."""
     qs = model._default_manager.filter(**where)
     if tr.tier == 0:
-        return downsample(qs, tr, fields, by)
+        return downsample(qs, tr, fields, by, keep=keep)
     from dashboard.storage.models import ROLLUPS, RollupState
 
     target = ROLLUPS[model][2][tr.tier]
     through = RollupState.objects.values_list("rolled_through", flat=True).first()
     split = math.floor(through.timestamp() / tr.bucket_s) * tr.bucket_s if through else tr.t0
     at = datetime.fromtimestamp(split, UTC)
-    older = downsample(target._default_manager.filter(ts__lt=at, **where), tr, fields, by, stats=_rollup_stats)
-    newer = downsample(qs.filter(ts__gte=at), tr, fields, by) if split <= tr.t1 else {}
+    older = downsample(target._default_manager.filter(ts__lt=at, **where), tr, fields, by, stats=_rollup_stats,
+                       keep=keep)
+    newer = downsample(qs.filter(ts__gte=at), tr, fields, by, keep=keep) if split <= tr.t1 else {}
     for key, series in newer.items():
-        into = older.setdefault(key, {"t": [], **{f: {"min": [], "mean": [], "max": []} for f in fields}})
+        into = older.setdefault(key, {"t": [], **{f: {stat: [] for stat in series[f]} for f in fields}})
         into["t"] += series["t"]
         for f in fields:
-            for stat in ("min", "mean", "max"):
+            for stat in series[f]:
                 into[f][stat] += series[f][stat]
     return older

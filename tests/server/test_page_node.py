@@ -57,6 +57,25 @@ def test_downsample_buckets_match_the_raw_rows(world: World) -> None:
 
 
 @pytest.mark.django_db
+def test_downsample_computes_only_the_statistics_asked_for_with_the_same_values(world: World) -> None:
+    node = Node.objects.create(cluster=world.cluster, hostname="node-x")
+    t0 = 1_700_000_040.0
+    _gpu_rows(world, node, t0, 600)
+    tr = TimeRange(t0, t0 + 599, points=10)
+    fields = ["util_gpu_pct", "power_limit_w", "ecc_sbe_aggregate"]
+    full = downsample(GpuSample.objects.filter(node=node), tr, fields, by=["gpu_index"])
+    keep = {"util_gpu_pct": ("min", "mean", "max"), "power_limit_w": ("max",), "ecc_sbe_aggregate": ("max",)}
+    part = downsample(GpuSample.objects.filter(node=node), tr, fields, by=["gpu_index"], keep=keep)
+    for gpu in ("0", "1"):
+        assert part[gpu]["t"] == full[gpu]["t"]
+        for f, stats in keep.items():
+            assert set(part[gpu][f]) == set(stats)
+            assert all(part[gpu][f][stat] == full[gpu][f][stat] for stat in stats)
+    assert part["0"]["ecc_sbe_aggregate"]["max"] == [float(m) for m in range(10)]  # s // 60 at each minute's end
+    assert all(isinstance(v, float) for v in part["1"]["power_limit_w"]["max"])  # plain floats on either database
+
+
+@pytest.mark.django_db
 def test_a_range_returns_no_more_buckets_than_points(world: World) -> None:
     """15 min of 1 Hz samples asked as 900 points: 1 s buckets, and never a 901st for the range's ragged edges."""
     node = Node.objects.create(cluster=world.cluster, hostname="node-x")

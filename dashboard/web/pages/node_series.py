@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from django.db.models import Case, CharField, F, FloatField, Q, QuerySet, Value, When
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
@@ -40,15 +41,30 @@ def _round(v: float | None, digits: int = 4) -> float | None:
     return float(f"{v:.{digits}g}")
 
 
+def _round_all(values: list[float | None], digits: int = 4) -> list[float | None]:
+    """:func:`_round` of a whole series at once (a 15 min node answer rounds ~300,000 values). An integer scaled by
+    a power of ten is exact, so the results print as the short decimals ``_round`` gives."""
+    x = np.array(values, dtype=float)  # None -> nan
+    finite = np.isfinite(x) & (x != 0)
+    if not finite.any():
+        return values
+    with np.errstate(all="ignore"):
+        k = np.where(finite, digits - 1 - np.floor(np.log10(np.abs(x))), 0).astype(int)
+        up = np.where(k > 0, np.round(x * 10.0 ** np.maximum(k, 0)) / 10.0 ** np.maximum(k, 0), x)
+        down = np.where(k <= 0, np.round(x / 10.0 ** np.maximum(-k, 0)) * 10.0 ** np.maximum(-k, 0), up)
+    r = np.where(finite, down, x)
+    return [None if v != v else v for v in r.tolist()]
+
+
 def _compact(series: dict[str, Any], keep: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     """Keep only the statistics a chart draws for each field (``keep``: field -> stats), rounded."""
     out: dict[str, Any] = {"t": series["t"]}
     for field, stats in keep.items():
         if field in series:
             vals = series[field]
-            if all(v is None for v in vals["max"]):
+            if all(v is None for v in vals.get("max", vals[stats[0]])):
                 continue  # the GPU does not report it (unsupported is absent, never a fake 0)
-            out[field] = {s: [_round(v) for v in vals[s]] for s in stats}
+            out[field] = {s: _round_all(vals[s]) for s in stats}
     return out
 
 
@@ -57,7 +73,7 @@ def gpu_series(node: Node, tr: TimeRange, gpu: int | None) -> dict[str, Any]:
     fields = GPU_LINES + GPU_LIMITS + GPU_COUNTERS + GPU_FLOORS
     keep = {**{f: ("min", "mean", "max") for f in GPU_LINES}, **{f: ("max",) for f in GPU_LIMITS + GPU_COUNTERS},
             **{f: ("min",) for f in GPU_FLOORS}}
-    raw = downsample_tiered(GpuSample, where, tr, fields, by=["gpu_index"])
+    raw = downsample_tiered(GpuSample, where, tr, fields, by=["gpu_index"], keep=keep)
     return {key: _compact(s, keep) for key, s in raw.items()}
 
 
