@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from itertools import groupby
 from typing import Any
 
 from django.db import connections
@@ -141,18 +142,12 @@ def downsample(qs: QuerySet[Any], tr: TimeRange, fields: list[str], by: list[str
         fetched = cursor.fetchall()
     out: dict[str, dict[str, Any]] = {}
     nb = len(by)
-    start = 0
-    while start < len(fetched):
-        key_vals = fetched[start][:nb]
-        stop = start + 1
-        while stop < len(fetched) and fetched[stop][:nb] == key_vals:
-            stop += 1
-        cols = list(zip(*fetched[start:stop], strict=True))
+    for key_vals, group in groupby(fetched, key=lambda row: row[:nb]):  # ordered by the ``by`` columns
+        cols = list(zip(*group, strict=True))
         series: dict[str, Any] = {"t": [float(b) * width for b in cols[nb]]}
         for c, (f, stat) in enumerate(wanted, start=nb + 1):
             series.setdefault(f, {})[stat] = [None if v is None else float(v) for v in cols[c]]
         out["|".join(str(v) for v in key_vals)] = series
-        start = stop
     return out
 
 

@@ -49,10 +49,9 @@ def _round_all(values: list[float | None], digits: int = 4) -> list[float | None
     if not finite.any():
         return values
     with np.errstate(all="ignore"):
-        k = np.where(finite, digits - 1 - np.floor(np.log10(np.abs(x))), 0).astype(int)
-        up = np.where(k > 0, np.round(x * 10.0 ** np.maximum(k, 0)) / 10.0 ** np.maximum(k, 0), x)
-        down = np.where(k <= 0, np.round(x / 10.0 ** np.maximum(-k, 0)) * 10.0 ** np.maximum(-k, 0), up)
-    r = np.where(finite, down, x)
+        k = np.where(finite, digits - 1 - np.floor(np.log10(np.abs(x))), 0)
+        p = 10.0 ** np.abs(k)
+        r = np.where(finite, np.where(k > 0, np.round(x * p) / p, np.round(x / p) * p), x)
     return [None if v != v else v for v in r.tolist()]
 
 
@@ -158,8 +157,7 @@ def port_series(node: Node, tr: TimeRange) -> dict[str, Any]:
     for key, s in raw.items():
         series = _compact(s, {**{f: ("min", "mean", "max") for f in PORT_LINES}, "rate_gbps": ("min", "max"),
                               "active": ("min",)})
-        series["counters"] = {n: {"mean": [_round(v) for v in s[f"c_{n}"]["mean"]],
-                                  "max": [_round(v) for v in s[f"c_{n}"]["max"]]}
+        series["counters"] = {n: {"mean": _round_all(s[f"c_{n}"]["mean"]), "max": _round_all(s[f"c_{n}"]["max"])}
                               for n in names_l if any(s[f"c_{n}"]["max"])}
         out[key.replace("|", "/")] = series
     return out

@@ -177,7 +177,7 @@ const viewer = new IntersectionObserver((entries) => {
     if (pending) { outOfView.delete(e.target.id); pending(); }
   }
 }, {rootMargin: "300px 0px"});
-for (const id of WEBGL_CHARTS) if ($(id)) viewer.observe($(id));
+for (const id of [FIRST, ...FIRST_SCREEN]) if ($(id)) viewer.observe($(id)); // the rows live frames grow
 
 function chart(id, traces, yTitle, extra = {}, liveOnly = false) {
   if (liveOnly && inView.get(id) === false) { outOfView.set(id, () => drawChart(id, traces, yTitle, extra)); return; }

@@ -24,9 +24,10 @@ export function connectLive(path, onFrame, statusId = "live-status") {
   open();
 }
 
-// Redraw at most every `ms`, only when something changed (`draw` returns false when it had nothing to draw yet): live frames mark the page dirty, this draws at the next
-// animation frame once `ms` have passed since the last draw. (It polled every `ms` before, which held a page's first
-// answer back by up to `ms` after its data had arrived.) Returns the function that marks the page dirty.
+// Redraw at most every `ms`, only when something changed: live frames mark the page dirty, this draws at the next
+// animation frame once `ms` have passed since the last draw (`draw` returns false when it had nothing to draw yet).
+// (It polled every `ms` before, which held a page's first answer back by up to `ms` after its data had arrived.)
+// Returns the function that marks the page dirty.
 export function drawLoop(draw, ms = 250) {
   let dirty = false, scheduled = false, last = -Infinity;
   function run() {
