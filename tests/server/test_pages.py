@@ -83,6 +83,41 @@ def test_pages_ask_for_plotly_by_version_and_keep_it_cached(client: Any, world: 
     assert "immutable" not in client.get("/static/web/node.js")["Cache-Control"]
 
 
+def test_pages_preload_every_module_their_script_imports(client: Any, world: World) -> None:
+    """Each page names its whole ES-module graph up front (<link rel="modulepreload">), read from the files' own
+    import lines: the browser fetches node.js and its lib/ imports at once instead of one round after the other."""
+    import re
+
+    from dashboard.web.templatetags.modules import imports_of
+
+    static = Path(__file__).resolve().parents[2] / "dashboard" / "web" / "static"
+
+    def graph(path: str) -> set[str]:  # an independent walk of the same files
+        out: set[str] = set()
+        for spec in imports_of((static / path).read_text()):
+            dep = str((static / path).parent.joinpath(spec).resolve().relative_to(static))
+            if dep not in out:
+                out |= {dep} | graph(dep)
+        return out
+
+    assert imports_of('import {a, b} from "./lib/x.js";\nexport {c} from \'../y.js\';\nimport "./z.js";\n'
+                      'const m = import("./lazy.js");') == ["./lib/x.js", "../y.js", "./z.js"]
+    post(client, make_batch(), world.token)
+    client.force_login(world.owner)
+    run_id = Run.objects.get().id
+    pages = {f"/clusters/{world.cluster.name}/": "web/overview.js", f"/runs/{run_id}/": "web/run.js",
+             f"/clusters/{world.cluster.name}/nodes/node-000/": "web/node.js",
+             f"/clusters/{world.cluster.name}/links/": "web/links.js"}
+    for url, entry in pages.items():
+        html = client.get(url).content.decode()
+        assert f'<script type="module" src="/static/{entry}"></script>' in html, url
+        preloaded = set(re.findall(r'<link rel="modulepreload" href="/static/([^"]+)">', html))
+        assert preloaded == graph(entry) and "web/lib/fmt.js" in preloaded, (url, preloaded ^ graph(entry))
+        for path in preloaded:
+            assert client.get(f"/static/{path}").status_code == 200, path
+    assert set(re.findall(r"web/[a-z_/]+\.js", html)) >= {"web/lib/chart.js", "web/lib/poll.js", "web/lib/range.js"}
+
+
 def test_without_the_cartesian_bundle_every_page_loads_the_full_one(client: Any, world: World, tmp_path: Path,
                                                                    settings: Any) -> None:
     import plotly
