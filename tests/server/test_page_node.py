@@ -168,6 +168,37 @@ def test_series_api_draws_every_concern_under_the_points_cap(client: Any, world:
     assert list(one["gpus"]) == ["1"] and "host" not in one
 
 
+def test_probes_to_a_node_are_read_by_index_not_by_scanning_the_cluster(client: Any, world: World, sim: Feed) -> None:
+    """Every query of the probes table the node page and a node-down finding's evidence make is answered from an
+    index that names the node (as sender or as peer), never from (cluster, ts): that one read every probe of the
+    cluster in the range (29 ms for 57 rows among 116,000 at 2,048 nodes after 45 s; 0.6 ms by the index)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from dashboard.web import evidence
+    from dashboard.web.pages import node_series
+
+    if connection.vendor != "sqlite":
+        pytest.skip("the plan checked is SQLite's (PostgreSQL plans these few rows with a sequential scan)")
+    node = Node.objects.get(hostname="node-002")
+    now = time.time()
+    finding = Finding(cluster=world.cluster, node=node, kind="node_down", subject=node.hostname)
+    with CaptureQueriesContext(connection) as seen:
+        series = node_series.probe_series(node, TimeRange(now - 900, now, 100))
+        got = evidence.downsample(evidence._probe_qs(finding), TimeRange(now - 900, now, 100), ["rtt_ms"]).get("")
+    assert {p["direction"] for p in series["peers"]} == {"in", "out"} and got and got["t"]
+    plans = []
+    with connection.cursor() as cursor:
+        for q in seen.captured_queries:
+            if '"telemetry_probe"' in q["sql"]:
+                cursor.execute("EXPLAIN QUERY PLAN " + q["sql"])
+                plans.append(" | ".join(str(r[-1]) for r in cursor.fetchall()))
+    assert len(plans) >= 5, plans
+    for plan in plans:
+        assert "SCAN telemetry_probe" not in plan and "(cluster_id=? AND ts>" not in plan, plan
+    assert any("(cluster_id=? AND peer=? AND ts>" in plan for plan in plans), plans
+
+
 @pytest.mark.django_db
 def test_a_day_of_samples_comes_back_downsampled(client: Any, world: World) -> None:
     """24 h asked with ?points=200: every series holds at most 200 buckets, whatever the raw count."""

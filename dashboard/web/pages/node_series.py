@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from django.db.models import Case, CharField, F, FloatField, Q, QuerySet, Value, When
+from django.db.models import Case, CharField, F, FloatField, QuerySet, Value, When
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
 
@@ -171,8 +171,8 @@ def probe_series(node: Node, tr: TimeRange) -> dict[str, Any]:
     loss = Case(When(sent__gt=0, then=F("lost") * 100.0 / F("sent")), default=None, output_field=FloatField())
     sides = {
         "out": Probe.objects.filter(node=node).annotate(other=F("peer")),
-        # The writer stores the peer's host name (``peer_node`` is not resolved at ingest): match either.
-        "in": Probe.objects.filter(Q(peer_node=node) | Q(cluster_id=node.cluster_id, peer=node.hostname))
+        # The writer stores the peer's host name (``peer_node`` is never set): the (cluster, peer, ts) index.
+        "in": Probe.objects.filter(cluster_id=node.cluster_id, peer=node.hostname)
         .annotate(other=F("node__hostname")),
     }
     fields = ["rtt_ms", "rtt_p99_ms", "bw_gbps", "loss_pct"]
