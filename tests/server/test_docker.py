@@ -154,7 +154,7 @@ def test_the_dockerfile_copies_every_package() -> None:
 
 def test_the_image_installs_the_browser_bundle_where_the_settings_look() -> None:
     """The build stage runs npm ci on the checked-in lock file and its node_modules land where settings look for
-    plotly's cartesian bundle (and pyproject's package data takes it into the installed package)."""
+    plotly's basic and cartesian bundles (and pyproject's package data takes them into the installed package)."""
     from django.conf import settings
 
     text = (ROOT / "docker" / "Dockerfile").read_text()
@@ -163,9 +163,11 @@ def test_the_image_installs_the_browser_bundle_where_the_settings_look() -> None
     target = re.search(r"^COPY --from=browser-deps /deps/node_modules (\S+)$", text, re.M).group(1)
     assert (ROOT / target).resolve() == settings.PLOTLY_CARTESIAN_DIR.parent
     assert text.index("COPY --from=browser-deps") < text.index("RUN pip install .")
-    assert "npm/node_modules/plotly.js-cartesian-dist-min/*" in (ROOT / "pyproject.toml").read_text()
+    assert settings.PLOTLY_BASIC_DIR.parent == settings.PLOTLY_CARTESIAN_DIR.parent
     lock = json.loads((ROOT / "dashboard/web/npm/package-lock.json").read_text())
-    assert "node_modules/" + settings.PLOTLY_CARTESIAN_DIR.name in lock["packages"]
+    for bundle in (settings.PLOTLY_CARTESIAN_DIR, settings.PLOTLY_BASIC_DIR):
+        assert f"npm/node_modules/{bundle.name}/*" in (ROOT / "pyproject.toml").read_text()
+        assert "node_modules/" + bundle.name in lock["packages"]
 
 
 def caddy_env(home: Path) -> dict[str, str]:

@@ -9,8 +9,10 @@ from typing import Any
 import jsonschema
 import pytest
 from django.conf import settings as django_settings
+from django.utils import timezone
 
 from clusterdx import wire
+from dashboard.diagnosis.models import Finding
 from dashboard.telemetry.models import Run
 from dashboard.web import context
 from tests.server.conftest import World, make_batch, post
@@ -58,28 +60,42 @@ def test_plotly_is_served_from_the_installed_package(client: Any, world: World) 
 
 def test_pages_ask_for_plotly_by_version_and_keep_it_cached(client: Any, world: World) -> None:
     """Plotly under a URL naming its version, served as immutable: a browser keeps it (and its compiled code) across
-    pages; an upgraded plotly is another URL. The pages whose first paint is a chart load the cartesian bundle that
-    scripts/bootstrap.sh installs (a third of the full one's evaluation, no WebGL traces: data-gl="0"); the others
-    the full one. The app's own files keep a short max-age (no version in their URLs)."""
+    pages; an upgraded plotly is another URL. scripts/bootstrap.sh installs two of plotly's own bundles: the pages
+    that draw only lines and bars load the basic one (scatter, bar), the run page the cartesian one (heatmaps too),
+    neither with WebGL traces (data-gl="0"); the link matrix the full one. The app's own files keep a short max-age."""
     import plotly
 
     post(client, make_batch(), world.token)
     client.force_login(world.owner)
-    package = django_settings.PLOTLY_CARTESIAN_DIR / "package.json"
-    assert package.is_file(), "scripts/bootstrap.sh installs plotly's cartesian bundle (npm ci in dashboard/web/npm)"
-    version = json.loads(package.read_text())["version"]
-    cartesian = f"/static/vendor/plotly-cartesian/plotly-cartesian.min.js?v={version}"
+    bundles = {}
+    for key, folder, name in (("basic", django_settings.PLOTLY_BASIC_DIR, "plotly-basic"),
+                              ("cartesian", django_settings.PLOTLY_CARTESIAN_DIR, "plotly-cartesian")):
+        package = folder / "package.json"
+        assert package.is_file(), f"scripts/bootstrap.sh installs plotly's {key} bundle (npm ci in dashboard/web/npm)"
+        version = json.loads(package.read_text())["version"]
+        bundles[key] = f"/static/vendor/{name}/{name}.min.js?v={version}"
     full = f"/static/vendor/plotly/plotly.min.js?v={plotly.__version__}"
     run_id = Run.objects.get().id
-    for url in (f"/clusters/{world.cluster.name}/", f"/runs/{run_id}/", f"/clusters/{world.cluster.name}/nodes/node-000/"):
+    node = f"/clusters/{world.cluster.name}/nodes/node-000/"
+    finding = Finding.objects.create(cluster=world.cluster, kind="straggler", subject_type="rank", subject="r/rank1",
+                                     severity="warning", title="t", action="a", evidence={}, confidence=0.9,
+                                     opened_at=timezone.now(), updated_at=timezone.now(),
+                                     last_seen_at=timezone.now())
+    pages = {f"/clusters/{world.cluster.name}/": "basic", node: "basic", f"{node}gpus/0/": "basic",
+             f"/findings/{finding.id}/": "basic", f"/runs/{run_id}/ranks/0/": "basic", f"/runs/{run_id}/": "cartesian"}
+    for url, key in pages.items():
         page = client.get(url).content
-        assert f'href="{cartesian}" data-gl="0"'.encode() in page and full.encode() not in page, url
+        other = bundles["cartesian" if key == "basic" else "basic"]
+        assert f'{bundles[key]}" data-gl="0"'.encode() in page, url
+        assert full.encode() not in page and other.encode() not in page, url
     assert full.encode() in client.get(f"/clusters/{world.cluster.name}/links/").content
-    for asset in (cartesian, full):
+    for asset in (*bundles.values(), full):
         r = client.get(asset)
         assert r.status_code == 200 and "immutable" in r["Cache-Control"], asset
-    body = b"".join(client.get(cartesian).streaming_content)
-    assert len(body) > 1_000_000 and b"scattergl" not in body[:3000], "the cartesian bundle, not the full one"
+    sizes = {key: len(b"".join(client.get(url).streaming_content)) for key, url in bundles.items()}
+    assert 1_000_000 < sizes["basic"] < sizes["cartesian"], sizes
+    for url in bundles.values():
+        assert b"scattergl" not in b"".join(client.get(url).streaming_content)[:3000], "not the full bundle"
     assert "immutable" not in client.get("/static/web/node.js")["Cache-Control"]
 
 
@@ -118,19 +134,27 @@ def test_pages_preload_every_module_their_script_imports(client: Any, world: Wor
     assert set(re.findall(r"web/[a-z_/]+\.js", html)) >= {"web/lib/chart.js", "web/lib/poll.js", "web/lib/range.js"}
 
 
-def test_without_the_cartesian_bundle_every_page_loads_the_full_one(client: Any, world: World, tmp_path: Path,
-                                                                   settings: Any) -> None:
+def test_without_the_npm_bundles_every_page_loads_the_full_one(client: Any, world: World, tmp_path: Path,
+                                                               settings: Any) -> None:
     import plotly
 
     post(client, make_batch(), world.token)
     client.force_login(world.owner)
-    settings.PLOTLY_CARTESIAN_DIR = tmp_path / "absent"
-    context._chart_js.cache_clear()
+    node = f"/clusters/{world.cluster.name}/nodes/node-000/"
+    cartesian = json.loads((settings.PLOTLY_CARTESIAN_DIR / "package.json").read_text())["version"]
     try:
-        page = client.get(f"/clusters/{world.cluster.name}/nodes/node-000/").content
+        settings.PLOTLY_BASIC_DIR = tmp_path / "absent"  # the basic bundle alone missing: the cartesian one
+        context._chart_js.cache_clear(), context._basic_js.cache_clear()
+        page = client.get(node).content
+        assert f'plotly-cartesian.min.js?v={cartesian}" data-gl="0"'.encode() in page
+        settings.PLOTLY_CARTESIAN_DIR = tmp_path / "absent"
+        context._chart_js.cache_clear(), context._basic_js.cache_clear()
+        page = client.get(node).content
+        run = client.get(f"/runs/{Run.objects.get().id}/").content
     finally:
-        context._chart_js.cache_clear()
-    assert f'href="/static/vendor/plotly/plotly.min.js?v={plotly.__version__}" data-gl="1"'.encode() in page
+        context._chart_js.cache_clear(), context._basic_js.cache_clear()
+    for html in (page, run):
+        assert f'href="/static/vendor/plotly/plotly.min.js?v={plotly.__version__}" data-gl="1"'.encode() in html
 
 
 def test_the_openapi_document_describes_the_wire_format(client: Any) -> None:

@@ -188,7 +188,7 @@ def test_the_pages_draw_under_the_csp_without_a_violation(asgi_server: AsgiServe
         _poll(strict, "() => (document.getElementById('live-status') || {}).textContent === 'live'")
         if "/findings/" not in path:  # the charts drew (plotly ran under the policy)
             _poll(strict, "() => document.querySelectorAll('.js-plotly-plot .main-svg').length > 0")
-        if "/links/" in path:  # WebGL traces (the link matrix past 64 nodes; pages on the cartesian bundle have none)
+        if "/links/" in path:  # WebGL traces (the link matrix past 64 nodes; pages on the basic or cartesian bundle have none)
             drawn = strict.evaluate("""async () => { const d = document.createElement('div'); document.body.appendChild(d);
                 await Plotly.newPlot(d, [{type: 'scattergl', mode: 'lines', x: [1, 2, 3], y: [3, 1, 2]}]);
                 return d.querySelectorAll('canvas.gl-canvas-context').length; }""")

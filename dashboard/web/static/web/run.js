@@ -195,7 +195,9 @@ async function loadHistory() {
     history = await getJSON(`${P.api.steps}?${q}`);
     document.body.dataset.historyBucket = String(history.bucket_steps);
   } catch (e) { console.warn(e); return; }
-  drawSteps(); drawHistoryCharts();
+  // The step split first, in a task of its own: MFU, loss and grad norm (three more plots) follow in the next one.
+  drawSteps();
+  setTimeout(drawHistoryCharts, 0);
   loadHeatmap();
 }
 
@@ -375,10 +377,14 @@ $("heatmap-metric").addEventListener("click", (ev) => {
 });
 
 connectLive(P.ws, onFrame);
-loadHistory();
-loadSettings().catch((e) => { $("settings").textContent = String(e); });
-loadNccl().catch((e) => { $("nccl").textContent = String(e); });
-loadPlotly().then(markDirty); // after the requests above are on the wire: the server works while plotly evaluates
+// The step history first and alone: the settings and NCCL panels (below the first screen) are asked for once it has
+// come, so the server answers the first chart's request without sharing its CPU with theirs (three at once took
+// 1.3-1.8 s each at 2,048 nodes).
+loadHistory().finally(() => {
+  loadSettings().catch((e) => { $("settings").textContent = String(e); });
+  loadNccl().catch((e) => { $("nccl").textContent = String(e); });
+});
+loadPlotly().then(markDirty); // after the request above is on the wire: the server works while plotly evaluates
 // The history (loss, MFU, the heatmap) is refetched now and then while the whole run is shown; the live tail covers
 // the steps in between.
 setInterval(() => { if (!zoom && !document.hidden) loadHistory(); }, 60_000);

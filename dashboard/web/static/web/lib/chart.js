@@ -79,8 +79,9 @@ export function loadPlotly() {
   return plotlyLoaded;
 }
 
-// The chart-first pages load plotly's cartesian bundle (data-gl="0" on #plotly-src: a third of the full bundle's
-// evaluation), which has no WebGL traces: theirs are drawn as SVG lines, which the server's downsampling keeps small.
+// Most pages load one of plotly's smaller bundles, basic or cartesian (data-gl="0" on #plotly-src: a fifth or a third
+// of the full bundle's evaluation), which have no WebGL traces: theirs are drawn as SVG lines, which the server's
+// downsampling keeps small.
 const GL = document.getElementById("plotly-src")?.dataset.gl !== "0";
 const drawable = (traces) => (GL ? traces : traces.map((t) => (t.type === "scattergl" ? {...t, type: "scatter"} : t)));
 
