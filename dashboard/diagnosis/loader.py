@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -39,6 +40,7 @@ from dashboard.diagnosis.detectors.window import (
     Table,
     Window,
     bus_key,
+    port_suspect,
 )
 from dashboard.live.state import get_state
 from dashboard.telemetry import interconnect
@@ -234,10 +236,12 @@ def _nccl_state(cluster_id: int, runs: list[RunInfo]) -> list[dict[str, Any]]:
 
 
 def _held(model: type, key: str, cluster_id: int, now: float, num: list[str], obj: tuple[str, ...],
-          text: tuple[str, ...] = (), at: int = 1) -> held.Series:
+          text: tuple[str, ...] = (), at: int = 1,
+          derive: Callable[[list[np.ndarray]], np.ndarray] | None = None) -> held.Series:
     """``cluster_id``'s rows of ``model`` in its ``SPANS[key]`` window, with an id column first: the rows the pass
     process held from its last pass plus those written since (:mod:`dashboard.diagnosis.held`). ``at``: the index
-    of the ts column in ``num``."""
+    of the ts column in ``num``. ``derive``: one more numeric column from the object columns, worked out only for
+    the rows read now (held rows keep theirs)."""
     bound = _bound_epoch(now, SPANS[key])
     bound_params = [connection.ops.adapt_datetimefield_value(_dt(now - SPANS[key]))]
 
@@ -245,8 +249,9 @@ def _held(model: type, key: str, cluster_id: int, now: float, num: list[str], ob
         scope = "cluster_id = %s" if fresh else "cluster_id + 0 = %s"  # see held.read
         mat, objs = _read(model, ["id", *num], [c if c in text else _text(c) for c in obj], f"{scope} AND {cond}",
                           [cluster_id, *extra])
-        return (mat[0].astype(np.int64), mat[1:],
-                [_objs(v, c not in text) for c, v in zip(obj, objs, strict=True)])
+        cols = [_objs(v, c not in text) for c, v in zip(obj, objs, strict=True)]
+        rest = mat[1:] if derive is None else np.vstack([mat[1:], derive(cols)[None, :]])
+        return mat[0].astype(np.int64), rest, cols
 
     return held.read((key, cluster_id), at, bound, "ts >= %s", bound_params, fetch)
 
@@ -291,8 +296,13 @@ def _gpus(cluster_id: int, now: float, lut: np.ndarray) -> Table:
 
 def _ports(cluster_id: int, now: float, lut: np.ndarray) -> Table:
     s = _held(m.PortSample, "ports", cluster_id, now, ["node_id", _epoch(), "port", "rate_gbps"], PORT_OBJ,
-              text=("device", "state"))
+              text=("device", "state"), derive=_port_suspects)
     return _table(*_known(s.mat, s.objs, lut), PORT_NUM, PORT_OBJ, lut)
+
+
+def _port_suspects(objs: list[np.ndarray]) -> np.ndarray:
+    states, counters = objs[PORT_OBJ.index("state")], objs[PORT_OBJ.index("counters")]
+    return np.fromiter(map(port_suspect, states, counters), dtype=float, count=len(states))
 
 
 def _probes(cluster_id: int, now: float, lut: np.ndarray, hostnames: list[str], index: dict[str, int]) -> Table:

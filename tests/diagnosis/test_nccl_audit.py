@@ -43,7 +43,7 @@ def window(env: dict[str, str], *, size: int = 16, interconnect: str = "ib", eve
         node = NODES[r // 2]
         ranks[r] = RankInfo(node, r % 2, {"env": dict((node_env or {}).get(node, env))})
     run = RunInfo("job-1", size, {}, ranks, last_step=10, last_step_ts=NOW - 1)
-    ports = Table.from_rows(PORT_NUM, PORT_OBJ, [(float(i), NOW - 1, 1.0, 400.0, dev, "Active", {})
+    ports = Table.from_rows(PORT_NUM, PORT_OBJ, [(float(i), NOW - 1, 1.0, 400.0, 0.0, dev, "Active", {})
                                                  for i in range(len(NODES)) for dev in devices])
     w = Window(now=NOW, nodes=NODES, steps=Table.from_rows(STEP_NUM, (), []), gpus=Table.from_rows(GPU_NUM, GPU_OBJ, []),
                ports=ports, probes=Table.from_rows(PROBE_NUM, (), []), events=events or [], hosts={}, runs=[run],

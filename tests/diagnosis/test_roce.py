@@ -84,3 +84,34 @@ def test_on_infiniband_the_fix_is_the_fabric_not_pfc() -> None:
 def test_a_threshold_can_be_raised_in_settings() -> None:
     w = window(on("node-b", {"hw.packet_seq_err": 300}))
     assert [d for d in run_all(w, Thresholds(extra={"congestion_loss_per_s": 1000.0})) if d.kind == "congestion"] == []
+
+
+def test_a_port_row_is_suspect_when_it_shows_trouble_by_itself() -> None:
+    """``port_suspect`` (worked out once per row as it enters the window) is what the port rule starts from: a state
+    other than ACTIVE or a non-zero error / link-down count; a low rate is judged against the cluster's at the pass."""
+    from dashboard.diagnosis.detectors.window import port_suspect
+
+    assert [port_suspect(s, None) for s in ("ACTIVE", "4: ACTIVE", "Active", None, "")] == [0.0] * 5
+    assert [port_suspect(s, None) for s in ("DOWN", "1: DOWN", "INIT", "Polling")] == [1.0] * 4
+    assert port_suspect("ACTIVE", {"symbol_error": 0, "port_xmit_data": 10**9, "port_xmit_wait": 5}) == 0.0
+    for counter in ("symbol_error", "link_downed", "port_rcv_errors", "port_xmit_discards"):
+        assert port_suspect("ACTIVE", {counter: 2}) == 1.0, counter
+
+
+@pytest.mark.parametrize(("port", "title"), [
+    ({"state": "DOWN"}, "flapping"),
+    ({"counters": {"symbol_error": 7}}, "link errors"),
+    ({"rate_gbps": 100.0}, "runs at 100 of 400 Gb/s"),
+])
+def test_a_sick_port_is_named_on_its_node_and_no_other(port: dict[str, Any], title: str) -> None:
+    buf = WindowBuffer(interconnect="ib")
+    for sec in range(10):
+        ts = T0 + sec
+        for host in NODES:
+            sample = {"ts": ts, "device": "mlx5_0", "port": 1, "state": "ACTIVE", "rate_gbps": 400.0,
+                      "link_layer": "InfiniBand", "interval_s": 1.0, "counters": dict(BACKGROUND)}
+            if host == "node-c" and sec % 2:  # every other sample: a flap, errors, or a slow link
+                sample = {**sample, **port, "counters": {**BACKGROUND, **port.get("counters", {})}}
+            buf.add({"host": host, "sent_at": ts, "ports": [sample]})
+    found = [d for d in run_all(buf.window(T0 + 9), Thresholds()) if d.kind == "slow_link"]
+    assert [(d.subject, title in d.title) for d in found] == [("node-c", True)], [d.title for d in found]

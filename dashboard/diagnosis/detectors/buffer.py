@@ -27,6 +27,7 @@ from dashboard.diagnosis.detectors.window import (
     Table,
     Window,
     bus_key,
+    port_suspect,
 )
 
 # Run-wide facts copied from a rank's RunMeta, as the ingest writer does.
@@ -78,8 +79,8 @@ class WindowBuffer:
             if key:
                 self.gpu_bus[(host, key)] = g["index"]
         for p in batch.get("ports", []):
-            self.ports.append((n, p["ts"], p["port"], p.get("rate_gbps"), p["device"], p.get("state"),
-                               p.get("counters")))
+            self.ports.append((n, p["ts"], p["port"], p.get("rate_gbps"), port_suspect(p.get("state"), p.get("counters")),
+                               p["device"], p.get("state"), p.get("counters")))
         for p in batch.get("probes", []):
             self.probes.append((n, self._node(p["peer"]), p["ts"], p["sent"], p["lost"], p.get("rtt_ms"),
                                 p.get("bw_gbps")))

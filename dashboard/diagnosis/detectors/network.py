@@ -13,12 +13,7 @@ from typing import Any
 import numpy as np
 
 from dashboard.diagnosis.detectors.base import Detection, Thresholds, groups, rnd
-from dashboard.diagnosis.detectors.window import Table, Window
-
-PORT_ERRORS = ("symbol_error", "link_downed", "link_error_recovery", "port_rcv_errors",
-               "port_rcv_remote_physical_errors", "local_link_integrity_errors", "excessive_buffer_overrun_errors",
-               "port_xmit_discards")
-
+from dashboard.diagnosis.detectors.window import PORT_ERRORS, Table, Window
 
 # -- node down -----------------------------------------------------------------------------------------------------
 
@@ -311,12 +306,9 @@ def _port_problems(w: Window, t: Thresholds, down: set[str]) -> list[Detection]:
 def _port_suspects(q: Table, cluster_rate: float) -> np.ndarray:
     """Rows of the ports with any sign of trouble (a state not ACTIVE, an error or link-down count, a low rate), so
     the detailed checks run on a handful of ports instead of one per node: a healthy port never becomes a finding
-    (flapping needs a non-active sample, errors a non-zero count, slowness a low rate)."""
-    inactive = {s: bool(s) and not str(s).upper().endswith("ACTIVE") for s in set(q["state"])}
-    watched = (*PORT_ERRORS, "link_downed")
-    # any(map(c.get, ...)): no generator frame per row (~43,000 rows at 2,048 nodes).
-    flagged = np.fromiter((inactive[s] or bool(c and any(map(c.get, watched)))
-                           for s, c in zip(q["state"], q["counters"], strict=True)), dtype=bool, count=len(q))
+    (flapping needs a non-active sample, errors a non-zero count, slowness a low rate). The first two come with
+    the row (``suspect``, :func:`~dashboard.diagnosis.detectors.window.port_suspect`)."""
+    flagged = q["suspect"] > 0
     with np.errstate(invalid="ignore"):
         flagged |= q["rate_gbps"] < 0.9 * cluster_rate
     key = q["node"] * 256 + q["port"]
