@@ -446,19 +446,30 @@ def _sqlite_datetime(value: datetime) -> str:
     return str(value.replace(tzinfo=None))
 
 
-def _adapt_shared(rows: list[list[Any]], i: int, adapt: Callable[[Any], Any]) -> None:
+def _per_row(adapt: Callable[[Any], Any]) -> Callable[[list[list[Any]], int], None]:
+    def column(rows: list[list[Any]], i: int) -> None:
+        for row in rows:
+            value = row[i]
+            if value is not None:
+                row[i] = adapt(value)
+    return column
+
+
+def _per_object(adapt: Callable[[Any], Any]) -> Callable[[list[list[Any]], int], None]:
     """Column ``i`` adapted once per distinct object: a node's GPUs, ranks and probes share one datetime per sample
-    (:func:`_collect_series`), and converting it row by row was a tenth of the embedded server's CPU at 512 nodes.
-    Keyed by identity (a datetime's hash costs more than its id); the memo holds each key's object, so no id is
-    reused while it runs."""
-    memo: dict[int, tuple[Any, Any]] = {}
-    for row in rows:
-        value = row[i]
-        if value is not None:
-            hit = memo.get(id(value))
-            if hit is None:
-                hit = memo[id(value)] = (value, adapt(value))
-            row[i] = hit[1]
+    (:func:`_collect_series`), and converting it row by row was a tenth of the embedded server's GIL-holding samples
+    at 512 nodes. Keyed by identity (a datetime's hash costs more than its id); the memo holds each key's object, so
+    no id is reused while it runs."""
+    def column(rows: list[list[Any]], i: int) -> None:
+        memo: dict[int, tuple[Any, Any]] = {}
+        for row in rows:
+            value = row[i]
+            if value is not None:
+                hit = memo.get(id(value))
+                if hit is None:
+                    hit = memo[id(value)] = (value, adapt(value))
+                row[i] = hit[1]
+    return column
 
 
 def _json_text(value: Any) -> str | None:
@@ -493,13 +504,13 @@ class _Table:
         # The columns' PostgreSQL types by name ("double precision", "varchar(64)" -> "varchar"), for the binary
         # dumpers: a Python int bound for a smallint column must be sent as one.
         self.types = [re.sub(r"\(.*", "", f.db_type(connection) or "") for f in fields]
-        self.adapt: list[tuple[int, Callable[[Any], Any]]] = []
+        self.adapt: list[tuple[int, Callable[[list[list[Any]], int], None]]] = []  # (column, its whole-column adapter)
         if not self.copy:  # binary COPY takes dicts for jsonb and aware datetimes as they are
             for i, f in enumerate(fields):
                 if isinstance(f, models.JSONField):
-                    self.adapt.append((i, _json_text))
+                    self.adapt.append((i, _per_row(_json_text)))
                 elif isinstance(f, models.DateTimeField):
-                    self.adapt.append((i, _sqlite_datetime))
+                    self.adapt.append((i, _per_object(_sqlite_datetime)))
 
     def insert(self, cursor: Any, rows: list[list[Any]]) -> None:
         """``cursor``: Django's, whose psycopg cursor writes JSON with msgspec (:func:`_insert_rows`)."""
@@ -513,13 +524,7 @@ class _Table:
                     write(row)
             return
         for i, adapt in self.adapt:
-            if adapt is _sqlite_datetime:
-                _adapt_shared(rows, i, adapt)
-                continue
-            for row in rows:
-                value = row[i]
-                if value is not None:
-                    row[i] = adapt(value)
+            adapt(rows, i)
         cursor.executemany(self.sql, rows)
 
 
