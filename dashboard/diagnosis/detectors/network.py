@@ -212,11 +212,16 @@ def _flag_nodes(w: Window, t: Thresholds, rows: np.ndarray, bad: np.ndarray, ski
     at = np.concatenate([pos, pos])
     bucket = np.floor(p["ts"][rows])
     any_bad = bad[0] | bad[1]
+    # Most nodes have no bad pair at all: only the ends of a bad pair are grouped and judged (grouping all 2,048
+    # nodes' rows to skip them one by one was most of this detector).
+    known = ends >= 0
+    node = np.where(known, ends, 0).astype(np.int64)
+    some_bad = np.bincount(node[known], weights=any_bad[at[known]], minlength=len(w.nodes) + 1) > 0
+    some_bad[[n for n in skip if 0 <= n < len(some_bad)]] = False
+    sel = np.nonzero(known & some_bad[node])[0]
     flagged = {}
-    for n, idx in groups(ends).items():
-        # Most nodes have no bad pair at all: one cheap test before any per-node work.
-        if n < 0 or int(n) in skip or not any_bad[at[idx]].any():
-            continue
+    for n, part in groups(ends[sel]).items():
+        idx = sel[part]
         hit = _node_bad(w, t, at[idx], far[idx], bucket, bad, p["bw_gbps"][rows])
         if hit:
             flagged[int(n)] = hit
