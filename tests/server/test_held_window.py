@@ -132,3 +132,39 @@ def sim_dt(ts: float) -> Any:
     from datetime import UTC, datetime
 
     return datetime.fromtimestamp(ts, tz=UTC)
+
+
+def test_the_gpu_error_counters_read_packed_are_the_stored_values(world: World) -> None:
+    """The pass reads the GPU error counters and flags that are nearly always zero as one cell per row
+    (loader.QUIET_GPU): zero, not reported (null) and set values must all come back as stored, held or fresh."""
+    from dashboard.diagnosis.detectors.window import GPU_NUM
+    from dashboard.telemetry.models import GpuSample
+
+    scenario = parse({"cluster": {"nodes": 3, "gpus_per_node": 2, "run": "llm", "seed": 5},
+                      "fault": [{"kind": "ecc_storm", "at_s": 3, "node": 1, "gpu": 0, "dbe_after_s": 6}]})
+    t0 = time.time() - 300
+    sim = SimCluster(scenario, t0)
+    held.forget()
+    for second in range(1, 13):
+        for batch in sim.tick(t0 + second):
+            store_batch(world.cluster, wire.validate_batch(batch))
+        if second == 6:
+            loader.load_window(world.cluster, t0 + second, beats=[])  # the rows so far held, the rest a delta
+    samples = GpuSample.objects.filter(cluster=world.cluster)
+    samples.filter(id__in=list(samples.values_list("id", flat=True)[::3])).update(
+        remap_uncorrectable=None, retired_pages_pending=None, nvlink_crc_errors_total=None)
+    samples.filter(id__in=list(samples.values_list("id", flat=True)[1::5])).update(
+        remap_pending=True, pcie_replay_total=7)
+    held.forget()
+    w = loader.load_window(world.cluster, t0 + 12, beats=[])
+    g = w.gpus
+    assert np.any(g["ecc_sbe_volatile"] > 0) and np.any(np.isnan(g["remap_uncorrectable"]))
+    assert np.any(g["remap_pending"] == 1) and np.any(g["remap_pending"] == 0)
+    got = {(w.nodes[int(g["node"][i])], int(g["gpu"][i]), round(float(g["ts"][i]), 3)):
+           [g[c][i] for c in GPU_NUM[3:]] for i in range(len(g))}
+    want = {(s.node.hostname, s.gpu_index, round(s.ts.timestamp(), 3)):
+            [float("nan") if getattr(s, c) is None else float(getattr(s, c)) for c in GPU_NUM[3:]]
+            for s in samples.filter(ts__gte=loader._dt(t0 + 12 - 20)).select_related("node")}
+    assert got.keys() == want.keys()
+    for k, row in want.items():
+        assert np.array_equal(np.array(got[k], dtype=float), np.array(row), equal_nan=True), k
