@@ -16,7 +16,7 @@ from django.db import connection, models, transaction
 from django.db.models import Q
 
 from dashboard.storage import partitions
-from dashboard.storage.models import ROLLUPS, RollupState
+from dashboard.storage.models import ROLLUPS, RollupState, StepRollup
 from dashboard.storage.rollup import exclusive, floor_to, raw_horizon, roll_up
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ def _purge_tiers(now: datetime, chunk: int) -> int:
         for width, target in tiers.items():
             days = settings.CLUSTERDX["ROLLUP_10S_RETENTION_DAYS" if width == 10 else "ROLLUP_1M_RETENTION_DAYS"]
             deleted += purge(target, now - timedelta(days=days), chunk)[1]
+    deleted += purge(StepRollup, now - timedelta(days=settings.CLUSTERDX["ROLLUP_1M_RETENTION_DAYS"]), chunk)[1]
     # The lowest cut: below it every rolled-up raw table is purged (the tables share one partitioning and one cut).
     # Only forward: raising RAW_RETENTION_HOURS must not make windows already purged look recomputable.
     cut = min(cuts)

@@ -35,6 +35,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from dashboard.storage.models import ROLLUPS, RollupState
+from dashboard.storage.steps import roll_up_steps
 from dashboard.telemetry.models import AgentBatch, Cluster, Node
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def _pass(now: datetime) -> int:
         for i in range(0, len(nodes), NODES_PER_STATEMENT):
             written += _roll(sorted(nodes[i:i + NODES_PER_STATEMENT]), start, now, state.raw_purged_through)
     RollupState.objects.filter(pk=1).update(received_through=now, rolled_through=now)
-    return written
+    return written + roll_up_steps(now)
 
 
 def _dirty(state: RollupState, now: datetime) -> dict[int, datetime]:

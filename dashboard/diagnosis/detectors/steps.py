@@ -530,22 +530,34 @@ def _checkpoint_detection(w: Window, run: RunInfo, last_ts: float, last_step: in
 
 # -- efficiency ----------------------------------------------------------------------------------------------------
 
+def efficiency_of(step_s: np.ndarray, tokens: np.ndarray, begin: np.ndarray, end: np.ndarray, now: np.ndarray,
+                  meta: dict[str, Any], gpus: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """tokens/s, MFU and goodput of windows of steps, one window per row (NaN pads a shorter one): each step's time,
+    its tokens (all ranks), when it began and ended; ``now``: each window's present. MFU needs the run's
+    flops_per_token and peak_flops (NaN without them); goodput is the steps' time over the wall time they span. One
+    row is a pass's figure (:func:`efficiency_figures`); the run page asks for one per bucket of a whole run."""
+    with np.errstate(all="ignore"):
+        total_s = np.nansum(step_s, axis=1)
+        tps = np.where(total_s > 0, np.nansum(tokens, axis=1) / total_s, np.nan)
+        fpt, peak = meta.get("flops_per_token"), meta.get("peak_flops")
+        mfu = np.where(tps > 0, tps * fpt / (peak * gpus), np.nan) if fpt and peak and gpus else np.full(len(tps), np.nan)
+        span = np.fmax(now, np.nanmax(end, axis=1)) - np.nanmin(begin, axis=1)
+        goodput = np.where(span > 0, np.minimum(1.0, total_s / span), np.nan)
+    return tps, mfu, goodput
+
+
 def efficiency_figures(w: Window, run_index: int) -> dict[str, Any] | None:
     """tokens/s, MFU (from flops_per_token and peak_flops in the run's metadata) and goodput over the window."""
     run = w.runs[run_index]
     rs = run_steps(w, run_index, ("tokens",), 16)
     if rs is None:
         return None
-    step_s = np.nanmedian(rs.m["step_time_s"], axis=0)
-    tokens = np.nansum(rs.m["tokens"], axis=0)
-    tps = float(np.sum(tokens) / np.sum(step_s)) if np.sum(step_s) > 0 else None
-    fpt, peak = run.meta.get("flops_per_token"), run.meta.get("peak_flops")
-    gpus = run.world_size or len(rs.ranks)
-    mfu = tps * fpt / (peak * gpus) if tps and fpt and peak and gpus else None
-    start = float(np.nanmin(rs.m["ts"] - rs.m["step_time_s"]))
-    span = max(w.now, float(np.nanmax(rs.m["ts"]))) - start
-    goodput = float(min(1.0, np.sum(step_s) / span)) if span > 0 else None
-    return {"tokens_per_s": rnd(tps, 1), "mfu": rnd(mfu, 4), "goodput": rnd(goodput, 3),
+    with np.errstate(all="ignore"):
+        per_step = (np.nanmedian(rs.m["step_time_s"], axis=0), np.nansum(rs.m["tokens"], axis=0),
+                    np.nanmin(rs.m["ts"] - rs.m["step_time_s"], axis=0), np.nanmax(rs.m["ts"], axis=0))
+    tps, mfu, goodput = efficiency_of(*(v[None, :] for v in per_step), np.array([w.now]), run.meta,
+                                      run.world_size or len(rs.ranks))
+    return {"tokens_per_s": rnd(tps[0], 1), "mfu": rnd(mfu[0], 4), "goodput": rnd(goodput[0], 3),
             "median_step_s": rnd(rs.step_med), "steps": len(rs.steps)}
 
 

@@ -1,8 +1,9 @@
 """A run's steps for the run and rank pages: the whole run downsampled by step, and rank x step heatmaps.
 
-Whatever the run's length, the database groups the (rank, step) rows; the answer is at most ``points`` buckets of
-steps (min / mean / max over every rank-step in a bucket) and a heatmap of at most ~600 columns. MFU and goodput
-are the diagnosis's own figures (:func:`efficiency_figures`), computed per bucket, never derived a second time here.
+Whatever the run's length, the answer is at most ``points`` buckets of steps (min / mean / max over every rank-step
+in a bucket: settled steps from the step rollup, the live tail grouped from raw rows) and a heatmap of at most ~600
+columns. MFU and goodput are the diagnosis's own formula (:func:`efficiency_of`), applied to every bucket at once,
+never derived a second time here.
 """
 
 from __future__ import annotations
@@ -11,17 +12,18 @@ import math
 from typing import Any
 
 import numpy as np
-from django.db.models import Avg, Count, F, FloatField, Max, Min, Sum
-from django.db.models.fields.json import KT
-from django.db.models.functions import Cast
+from django.db.models import Avg, F, Max, Min
 
-from dashboard.diagnosis.detectors.steps import efficiency_figures
+from dashboard.diagnosis.detectors.base import rnd
+from dashboard.diagnosis.detectors.steps import efficiency_figures, efficiency_of
 from dashboard.diagnosis.detectors.window import GPU_NUM, PORT_NUM, PROBE_NUM, STEP_NUM, RunInfo, Table, Window
 from dashboard.diagnosis.models import Finding, StepEfficiency
+from dashboard.storage.models import STEP_SPLIT
+from dashboard.storage.steps import COLUMNS, per_step
 from dashboard.telemetry.models import Rank, Run, StepSample
 from dashboard.web.links import finding_url, node_url, rank_url
 
-SPLIT = ("step_time_s", "data_wait_s", "compute_s", "comm_s")
+SPLIT = STEP_SPLIT
 HEATMAP_METRICS = ("compute_s", "data_wait_s", "comm_arrive_s", "step_time_s")
 MAX_HEATMAP_COLS = 600
 MAX_HEATMAP_ROWS = 2048  # beyond this a row is a node (the max over its ranks, so one slow rank still shows)
@@ -44,43 +46,39 @@ def clamp(bounds: tuple[int, int], lo: int | None, hi: int | None) -> tuple[int,
 
 
 def _per_step(run: Run, lo: int, hi: int, rank: int | None) -> dict[str, np.ndarray]:
-    """One row per step (aggregated over ranks in SQL, one index range scan on (run, step)), as float columns."""
-    qs = StepSample.objects.filter(run=run, step__gte=lo, step__lte=hi)
-    if rank is not None:
-        qs = qs.filter(rank=rank)
-    aggs: dict[str, Any] = {"n": Count("id"), "ts": Max("ts"), "tokens": Sum("tokens")}
-    for f in SPLIT:
-        aggs |= {f"{f}__sum": Sum(f), f"{f}__n": Count(f), f"{f}__min": Min(f), f"{f}__max": Max(f)}
-    for key in ("loss", "grad_norm"):  # the training loop's own numbers, from StepSample.metrics
-        aggs[key] = Avg(Cast(KT(f"metrics__{key}"), FloatField()))
-    rows = list(qs.values("step").annotate(**aggs).order_by("step"))
+    """One row per step (aggregated over ranks: from the step rollup for settled steps, grouped in SQL from raw for
+    the live tail, :func:`dashboard.storage.steps.per_step`), as float columns."""
+    rows = per_step(run.id, lo, hi, rank)
     cols: dict[str, np.ndarray] = {"step": np.array([r["step"] for r in rows], dtype=float),
                                    "ts": np.array([r["ts"].timestamp() for r in rows], dtype=float)}
-    for key in [k for k in aggs if k != "ts"]:
+    for key in [k for k in COLUMNS if k != "ts"]:
         cols[key] = np.array([r[key] for r in rows], dtype=float)  # None -> nan
     return cols
 
 
-def _efficiency(run: Run, s: dict[str, np.ndarray], world: int) -> dict[str, Any] | None:
-    """The diagnosis's efficiency figures over these steps: a Window of one row per step (the mean step time over
-    ranks, the tokens of every rank), handed to :func:`efficiency_figures` as it is during a pass."""
-    n = len(s["step"])
-    if n == 0:
-        return None
+def _efficiency(run: Run, s: dict[str, np.ndarray], starts: np.ndarray, ends: np.ndarray,
+                world: int) -> tuple[np.ndarray, np.ndarray]:
+    """MFU and goodput of each bucket (rows ``starts[i]:ends[i]``, steps ascending), over its last
+    EFFICIENCY_STEPS steps, as a pass over those steps figures them (:func:`efficiency_of`, which
+    :func:`efficiency_figures` applies to a pass's window): one value per step, the mean step time over ranks and
+    every rank's tokens; as in a pass, only steps within EFFICIENCY_STEPS of the newest and with a step time.
+    All buckets at once: a call per bucket was 2 ms each, seconds for a whole run's 1,400 buckets."""
+    k = EFFICIENCY_STEPS
+    idx = ends[:, None] - k + np.arange(k)[None, :]
+    inside = idx >= starts[:, None]
+    idx = np.where(inside, idx, 0)
+    step, ts, tokens = s["step"][idx], s["ts"][idx], np.nan_to_num(s["tokens"])[idx]
     with np.errstate(all="ignore"):
-        step_time = s["step_time_s__sum"] / s["step_time_s__n"]
-    zeros, nan = np.zeros(n), np.full(n, np.nan)
-    num = {c: nan for c in STEP_NUM}
-    num |= {"run": zeros, "rank": zeros, "step": s["step"], "ts": s["ts"], "step_time_s": step_time,
-            "tokens": s["tokens"]}
-    info = RunInfo(run.name, world, run.meta or {}, {})
-    w = Window(float(np.nanmax(s["ts"])), [], Table(num), _empty(GPU_NUM), _empty(PORT_NUM), _empty(PROBE_NUM),
-               [], {}, [info], {})
-    return efficiency_figures(w, 0)
+        step_time = (s["step_time_s__sum"] / s["step_time_s__n"])[idx]
+        now = np.nanmax(np.where(inside, ts, np.nan), axis=1)
+    use = inside & (step > step[:, -1:] - k - 1) & ~np.isnan(step_time)
 
+    def only(v: np.ndarray) -> np.ndarray:
+        return np.where(use, v, np.nan)
 
-def _empty(cols: tuple[str, ...]) -> Table:
-    return Table({c: np.empty(0) for c in cols})
+    _, mfu, goodput = efficiency_of(only(step_time), only(tokens), only(ts - step_time), only(ts), now,
+                                    run.meta or {}, world)
+    return mfu, goodput
 
 
 def _r(v: float, d: int = 5) -> float | None:
@@ -111,6 +109,7 @@ def step_series(run: Run, lo: int, hi: int, points: int, rank: int | None = None
     starts = np.flatnonzero(np.r_[True, np.diff(bucket) != 0])
     ends = np.r_[starts[1:], len(bucket)]
     per_rank = rank is not None
+    mfu, goodput = _efficiency(run, s, starts, ends, world)
     for a, b in zip(starts, ends, strict=True):
         sl = slice(a, b)
         out["step"].append(int(s["step"][a]))
@@ -129,12 +128,10 @@ def step_series(run: Run, lo: int, hi: int, points: int, rank: int | None = None
         for key in ("loss", "grad_norm"):
             v = s[key][sl]
             out[key].append(_r(np.nanmean(v)) if np.any(np.isfinite(v)) else None)
-        fig = None if per_rank else _efficiency(run, {k: v[max(a, b - EFFICIENCY_STEPS):b] for k, v in s.items()},
-                                                world)
-        out["mfu"].append(fig["mfu"] if fig else None)
+        out["mfu"].append(None if per_rank else rnd(mfu[len(out["mfu"])], 4))
         v = [stored[k] for k in s["step"][sl] if k in stored]
         out["mfu_step"].append(_r(float(np.mean(v)), 5) if v else None)
-        out["goodput"].append(fig["goodput"] if fig else None)
+        out["goodput"].append(None if per_rank else rnd(goodput[len(out["goodput"])], 3))
     return out
 
 
@@ -162,8 +159,20 @@ def current_efficiency(run: Run) -> dict[str, Any] | None:
     if bounds is None:
         return None
     s = _per_step(run, max(bounds[0], bounds[1] - EFFICIENCY_STEPS), bounds[1], None)
+    if not len(s["step"]):
+        return None
     world = run.world_size or max(1, Rank.objects.filter(run=run).count())
-    return _efficiency(run, s, world)
+    with np.errstate(all="ignore"):
+        step_time = s["step_time_s__sum"] / s["step_time_s__n"]
+    n = len(s["step"])
+    num = {c: np.full(n, np.nan) for c in STEP_NUM}
+    num |= {"run": np.zeros(n), "rank": np.zeros(n), "step": s["step"], "ts": s["ts"], "step_time_s": step_time,
+            "tokens": s["tokens"]}
+    empty = {cols: Table({c: np.empty(0) for c in cols}) for cols in (GPU_NUM, PORT_NUM, PROBE_NUM)}
+    # A Window of one row per step (the mean step time over ranks, every rank's tokens), as a pass would see it.
+    w = Window(float(np.nanmax(s["ts"])), [], Table(num), empty[GPU_NUM], empty[PORT_NUM], empty[PROBE_NUM], [], {},
+               [RunInfo(run.name, world, run.meta or {}, {})], {})
+    return efficiency_figures(w, 0)
 
 
 # -- rank x step heatmaps ----------------------------------------------------------------------------------------

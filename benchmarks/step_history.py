@@ -1,0 +1,119 @@
+"""The run page's whole-run step history (``/api/v1/runs/<id>/steps``) read from raw rank rows and from the step
+rollup (dashboard.storage.steps), for a long run.
+
+Stores ``--ranks`` x ``--steps`` step rows of one run straight into the table (multi-row INSERTs, as ingest would
+have left them; loss on rank 0), then times ``step_series`` over the whole run (``--points`` buckets) ``--repeat``
+times with nothing rolled up, runs the rollup pass (its time printed), and times it again. Printed: p50 / p95 ms of
+each, the ratio, and the pass's rows and seconds.
+
+    python benchmarks/step_history.py                              # embedded SQLite, 1,024 ranks x 1,800 steps
+    python benchmarks/step_history.py --backend pg --steps 7200    # PostgreSQL (CLUSTERDX_BENCH_DATABASE_URL)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.ingest_inproc import _setup
+
+ROWS_PER_STATEMENT = 500
+
+
+def _store(ranks: int, steps: int) -> tuple[object, float]:
+    """A run of ``ranks`` x ``steps`` rows ending now (a step a second); returns (the run, the last step's time)."""
+    from django.db import connection, transaction
+
+    from dashboard.telemetry.models import Cluster, Run, StepSample
+
+    cluster = Cluster.objects.create(name=f"steps-{time.time_ns()}")
+    end = time.time() - 1
+    run = Run.objects.create(cluster=cluster, name="long", last_step=steps - 1,
+                             last_step_at=datetime.fromtimestamp(end, UTC), world_size=ranks)
+    t = StepSample._meta.db_table
+    cols = ["cluster_id", "run_id", "rank", "step", "ts", "step_time_s", "data_wait_s", "compute_s", "comm_s",
+            "comm_arrive_s", "tokens", "metrics"]
+    one = "(" + ", ".join(["%s"] * len(cols)) + ")"
+    rng = random.Random(5)
+    a = time.perf_counter()
+    batch: list[object] = []
+    n = 0
+    with transaction.atomic():
+        for step in range(steps):
+            ts = connection.ops.adapt_datetimefield_value(datetime.fromtimestamp(end - (steps - 1 - step), UTC))
+            loss = json.dumps({"loss": 3.0 - step / steps, "grad_norm": 1.0 + rng.random() / 10})
+            for rank in range(ranks):
+                c = 0.8 + rng.random() / 20
+                batch += [cluster.id, run.id, rank, step, ts, 1.0, 0.01, c, 0.19 - c / 10, 0.8, 4096,
+                          loss if rank == 0 else None]
+                n += 1
+                if n % ROWS_PER_STATEMENT == 0:
+                    with connection.cursor() as cur:
+                        cur.execute(f"INSERT INTO {t} ({', '.join(cols)}) VALUES "
+                                    + ", ".join([one] * ROWS_PER_STATEMENT), batch)
+                    batch = []
+            if (step + 1) % 300 == 0:
+                print(f"  stored {step + 1}/{steps} steps x {ranks} ranks ({time.perf_counter() - a:.0f} s)",
+                      flush=True)
+        if batch:
+            with connection.cursor() as cur:
+                cur.execute(f"INSERT INTO {t} ({', '.join(cols)}) VALUES "
+                            + ", ".join([one] * (len(batch) // len(cols))), batch)
+    return run, end
+
+
+def _time(run: object, last: int, points: int, repeat: int) -> list[float]:
+    from dashboard.web.pages.run_series import step_series
+
+    out = []
+    for _ in range(repeat):
+        a = time.perf_counter()
+        step_series(run, 0, last, points)  # type: ignore[arg-type]
+        out.append(1000 * (time.perf_counter() - a))
+    return out
+
+
+def _pct(v: list[float], q: float) -> float:
+    return sorted(v)[min(len(v) - 1, int(q * len(v)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", choices=["sqlite", "pg"], default="sqlite")
+    ap.add_argument("--ranks", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=1800)
+    ap.add_argument("--points", type=int, default=1400, help="buckets (the page asks its width in px)")
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    _setup(args.backend)
+    print(f"==> storing {args.steps} steps x {args.ranks} ranks ({args.backend})", flush=True)
+    run, end = _store(args.ranks, args.steps)
+    last = args.steps - 1
+
+    from dashboard.storage.steps import roll_up_steps
+
+    raw = _time(run, last, args.points, args.repeat)
+    a = time.perf_counter()
+    written = roll_up_steps(datetime.fromtimestamp(end + 1, UTC))
+    pass_s = time.perf_counter() - a
+    rolled = _time(run, last, args.points, args.repeat)
+    a = time.perf_counter()
+    again = roll_up_steps(datetime.fromtimestamp(end + 2, UTC))
+    idle_s = time.perf_counter() - a
+    print(f"\nstep history of {args.ranks} ranks x {args.steps} steps, {args.points} points ({args.backend})")
+    print(f"  raw rows      p50 {statistics.median(raw):8.0f} ms  p95 {_pct(raw, 0.95):8.0f} ms")
+    print(f"  step rollup   p50 {statistics.median(rolled):8.0f} ms  p95 {_pct(rolled, 0.95):8.0f} ms  "
+          f"({statistics.median(raw) / statistics.median(rolled):.1f}x faster)")
+    print(f"  rollup pass: {written} steps in {pass_s:.1f} s (backfill); the next pass {again} rows in {idle_s:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
