@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.db import connection
 from django.db.models import Avg, Count, FloatField, Max, Min, Sum
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
@@ -80,10 +81,16 @@ def roll_up_steps(now: datetime) -> int:
     newest = StepSample.objects.order_by("-id").values_list("id", flat=True).first()
     late: dict[int, set[int]] = defaultdict(set)
     if state.step_seen_id is not None and newest is not None:
-        # The steps of the rows written since the last pass: those already rolled up get rolled again.
-        for run_id, step in (StepSample.objects.filter(id__gt=state.step_seen_id - ID_MARGIN)
-                             .values_list("run_id", "step").distinct()):
-            late[run_id].add(step)
+        # The rows written since the last pass for steps already rolled up (a few at most: the rest are the live
+        # tail): one range scan of the primary key, each row checked against its run's state in SQL, so minutes
+        # of a large cluster's rows never become Python objects.
+        q = connection.ops.quote_name
+        with connection.cursor() as cur:
+            cur.execute(f"SELECT DISTINCT s.run_id, s.step FROM {q(StepSample._meta.db_table)} s "
+                        f"JOIN {q(StepRollupState._meta.db_table)} r ON r.run_id = s.run_id "
+                        "WHERE s.id > %s AND s.step <= r.rolled_to", [state.step_seen_id - ID_MARGIN])
+            for run_id, step in cur.fetchall():
+                late[run_id].add(step)
     held = dict(StepRollupState.objects.values_list("run_id", "rolled_to"))
     purged = now - timedelta(hours=settings.CLUSTERDX["RETENTION_HOURS"])  # raw steps older than this are gone
     written = 0
