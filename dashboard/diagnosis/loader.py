@@ -24,6 +24,7 @@ from django.db import connection
 from django.db.models import Max, Min
 
 from dashboard.diagnosis import held
+from dashboard.diagnosis.detectors.nccl import share_env
 from dashboard.diagnosis.detectors.window import (
     GPU_NUM,
     GPU_OBJ,
@@ -459,6 +460,7 @@ def _runs(cluster: m.Cluster, now: float) -> tuple[list[RunInfo], Table, dict[st
 
 # (database, cluster) -> (when read, rank id -> (updated_at, meta))
 _rank_meta: dict[tuple[Any, ...], tuple[float, dict[int, tuple[float, dict[str, Any]]]]] = {}
+_envs: dict[Any, Any] = {}  # the ranks' environments, one dict each (detectors.nccl.share_env)
 RANK_META_LATE_S = 60.0  # a rank row committed (or stamped by a server clock) this late is still seen changed
 
 
@@ -484,7 +486,7 @@ def _ranks(cluster_id: int, run_ids: list[int]) -> list[tuple[int, int, str | No
     missing = []
     for rid, _, _, _, _, updated, meta in rows:
         if meta is not None:
-            metas[rid] = (updated, _json(meta))
+            metas[rid] = (updated, share_env(_json(meta), _envs))
         elif rid in held_meta and held_meta[rid][0] == updated:
             metas[rid] = held_meta[rid]
         else:  # changed before the cutoff but not held: committed late, or another database's row
@@ -492,7 +494,7 @@ def _ranks(cluster_id: int, run_ids: list[int]) -> list[tuple[int, int, str | No
     if missing:
         for rid, updated, meta in _rows(m.Rank, ["id", _epoch("updated_at"), _text("meta")],
                                          f"id IN ({', '.join(['%s'] * len(missing))})", missing):
-            metas[rid] = (updated, _json(meta))
+            metas[rid] = (updated, share_env(_json(meta), _envs))
     _rank_meta[key] = (now, metas)
     return [(run_id, rank, host, gpu, metas[rid][1] if rid in metas else {})
             for rid, run_id, rank, host, gpu, _, _ in rows]

@@ -31,3 +31,30 @@ def test_pairs_by_group_are_the_per_group_comparisons() -> None:
         for i in range(n):
             assert np.array_equal(cross[i], np.nonzero((ga == i) ^ (gb == i))[0])
             assert np.array_equal(inside[i], np.nonzero((ga == i) & (gb == i))[0])
+
+
+def test_ranks_sharing_one_environment_dict_drift_as_ranks_with_equal_copies() -> None:
+    """share_env makes equal environments one dict; the NCCL drift check takes a shared one by identity, and must
+    count and compare exactly as it does for equal copies (a drifting rank among 40, an unhashable value)."""
+    from dashboard.diagnosis.detectors.nccl import _drift, _Envs, share_env
+    from dashboard.diagnosis.detectors.window import RankInfo, RunInfo
+
+    def env(r: int) -> dict[str, object]:
+        e: dict[str, object] = {"NCCL_IB_HCA": "mlx5", "NCCL_SOCKET_IFNAME": "eth0" if r != 7 else "ib0"}
+        if r == 9:
+            e["NCCL_DEBUG_SUBSYS"] = ["INIT"]  # unhashable: stands alone
+        return e
+
+    def run(shared: bool) -> RunInfo:
+        pool: dict[object, object] = {}
+        ranks = {}
+        for r in range(40):
+            meta = {"rank": r, "env": env(r)}
+            ranks[r] = RankInfo(f"node-{r // 8}", r % 8, share_env(meta, pool) if shared else meta)
+        return RunInfo("llm", 40, {}, ranks)
+
+    copies, one = run(False), run(True)
+    assert len({id(i.meta["env"]) for i in one.ranks.values()}) == 3  # the common one, rank 7's, rank 9's
+    a, b = _Envs(copies), _Envs(one)
+    assert (a.count, a.nccl, [(r, i) for r, _, i in a.ranks]) == (b.count, b.nccl, [(r, i) for r, _, i in b.ranks])
+    assert _drift(copies) == _drift(one) and 7 in _drift(one)

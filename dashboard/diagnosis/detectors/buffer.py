@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from dashboard.diagnosis.detectors.nccl import share_env
 from dashboard.diagnosis.detectors.window import (
     GPU_NUM,
     GPU_OBJ,
@@ -52,6 +53,7 @@ class WindowBuffer:
         self.beats: dict[tuple[str, int], dict[str, Any]] = {}  # (run, rank) -> latest beat, as the live state
         self.places: dict[str, tuple[str, str]] = {}  # host -> (rack, switch), as the ingest writer stores them
         self.losses: dict[str, dict[int, tuple[int, float, float]]] = {}  # run -> step -> (rank, ts, loss)
+        self._envs: dict[Any, Any] = {}  # the ranks' environments, one dict each (nccl.share_env)
 
     def _node(self, host: str) -> int:
         if host not in self.nodes:
@@ -119,7 +121,7 @@ class WindowBuffer:
     def _meta(self, host: str, meta: dict[str, Any]) -> None:
         self._run(meta["run"])
         run = self.runs[meta["run"]]
-        stable = {k: v for k, v in meta.items() if k != "ts"}
+        stable = share_env({k: v for k, v in meta.items() if k != "ts"}, self._envs)
         run.ranks[meta["rank"]] = RankInfo(meta.get("host") or host, meta.get("gpu_index"), stable)
         run.world_size = meta["world_size"]
         run.meta.update({k: meta[k] for k in RUN_WIDE if meta.get(k) is not None})

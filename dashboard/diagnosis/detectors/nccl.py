@@ -48,15 +48,23 @@ class _Envs:
         self.full: list[dict[str, str]] = []  # _all_nccl_env of each
         self.count: list[int] = []  # how many ranks have it
         seen: dict[Any, int] = {}
+        shared: dict[int, int] = {}  # id of an environment dict -> its index: ranks sharing one (share_env)
         for r, info in run.ranks.items():
             env = info.meta.get("env")
             if env is None:
+                continue
+            i = shared.get(id(env))
+            if i is not None:
+                self.count[i] += 1
+                self.ranks.append((r, info, i))
                 continue
             try:  # the same items in the same order: the same environment
                 key: Any = tuple(env.items())
                 i = seen.get(key)
             except TypeError:  # an unhashable value: this rank's environment stands alone
                 key, i = object(), None
+            else:
+                shared[id(env)] = i if i is not None else len(self.nccl)
             if i is None:
                 i = seen[key] = len(self.nccl)
                 self.nccl.append(_nccl_env(info.meta))
@@ -64,6 +72,25 @@ class _Envs:
                 self.count.append(0)
             self.count[i] += 1
             self.ranks.append((r, info, i))
+
+
+def share_env(meta: dict[str, Any], pool: dict[Any, Any]) -> dict[str, Any]:
+    """``meta`` (a rank's, decoded where it was read) with its "env" replaced by the equal one already in ``pool``
+    (kept there if new). Ranks of one job share one environment; sharing one dict lets :class:`_Envs` take each
+    rank's by identity instead of building and hashing its items at every pass (16,384 ranks at 2,048 nodes). The
+    pool belongs to the caller and is emptied past 10,000 environments."""
+    env = meta.get("env")
+    if not isinstance(env, dict):
+        return meta
+    if len(pool) > 10_000:
+        pool.clear()
+    try:
+        same = pool.setdefault(tuple(env.items()), env)
+    except TypeError:  # an unhashable value: kept as it is
+        return meta
+    if same is not env:
+        meta["env"] = same
+    return meta
 
 
 def _drift(run: RunInfo, envs: _Envs | None = None) -> dict[int, dict[str, tuple[str | None, str | None]]]:
