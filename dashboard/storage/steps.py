@@ -47,10 +47,14 @@ def _aggregate() -> dict[str, Any]:
     return aggs
 
 
-def _raw(run_id: int, lo: int, hi: int, rank: int | None = None) -> list[dict[str, Any]]:
+def _raw(run_id: int, lo: int, hi: int, rank: int | None = None, steps: list[int] | None = None
+         ) -> list[dict[str, Any]]:
+    """Steps ``lo..hi`` grouped from raw rows (only ``steps`` of them when given; one ``rank``'s when given)."""
     qs = StepSample.objects.filter(run_id=run_id, step__gte=lo, step__lte=hi)
     if rank is not None:
         qs = qs.filter(rank=rank)
+    if steps is not None:
+        qs = qs.filter(step__in=steps)
     return list(qs.values("step").annotate(**_aggregate()).order_by("step"))
 
 
@@ -100,14 +104,14 @@ def roll_up_steps(now: datetime) -> int:
         settled = last_step if quiet else last_step - SETTLE_STEPS
         rolled = held.get(run_id)
         again = sorted(s for s in late.get(run_id, ()) if rolled is not None and s <= rolled)
-        if again:
-            # A step whose raw rows retention has purged keeps its rollup: rolled again from what raw still holds
-            # (the late rows alone) it would lose the rest.
-            have = dict(StepRollup.objects.filter(run_id=run_id, step__in=again).values_list("step", "ts"))
-            again = [s for s in again if s not in have or have[s] >= purged]
         for i in range(0, len(again), STEPS_PER_STATEMENT):
             part = again[i:i + STEPS_PER_STATEMENT]
-            written += _write(run_id, [r for r in _raw(run_id, part[0], part[-1]) if r["step"] in set(part)])
+            # A step whose raw rows retention has purged keeps its rollup: rolled again from what raw still holds
+            # (the late rows alone) it would lose the rest.
+            have = dict(StepRollup.objects.filter(run_id=run_id, step__in=part).values_list("step", "ts"))
+            part = [s for s in part if s not in have or have[s] >= purged]
+            if part:
+                written += _write(run_id, _raw(run_id, part[0], part[-1], steps=part))
         start = (rolled + 1) if rolled is not None else _first_step(run_id)
         if start is None or settled < start:
             continue
