@@ -4,7 +4,7 @@ rollup (dashboard.storage.steps), for a long run.
 Stores ``--ranks`` x ``--steps`` step rows of one run straight into the table (multi-row INSERTs, as ingest would
 have left them; loss on rank 0), then times ``step_series`` over the whole run (``--points`` buckets) ``--repeat``
 times with nothing rolled up, runs the rollup pass (its time printed), and times it again. Printed: p50 / p95 ms of
-each, the ratio, and the pass's rows and seconds.
+each, the ratio, the pass's rows and seconds, and the rank x step heatmap of the whole run (read from raw rows).
 
     python benchmarks/step_history.py                              # embedded SQLite, 1,024 ranks x 1,800 steps
     python benchmarks/step_history.py --backend pg --steps 7200    # PostgreSQL (CLUSTERDX_BENCH_DATABASE_URL)
@@ -113,6 +113,15 @@ def main() -> None:
     print(f"  step rollup   p50 {statistics.median(rolled):8.0f} ms  p95 {_pct(rolled, 0.95):8.0f} ms  "
           f"({statistics.median(raw) / statistics.median(rolled):.1f}x faster)")
     print(f"  rollup pass: {written} steps in {pass_s:.1f} s (backfill); the next pass {again} rows in {idle_s:.2f} s")
+    from dashboard.web.pages.run_series import MAX_HEATMAP_COLS, heatmap
+
+    heat = []
+    for _ in range(args.repeat):
+        a = time.perf_counter()
+        heatmap(run, "compute_s", 0, last, MAX_HEATMAP_COLS)  # type: ignore[arg-type]
+        heat.append(1000 * (time.perf_counter() - a))
+    print(f"  rank x step heatmap ({MAX_HEATMAP_COLS} columns, raw rows)  p50 {statistics.median(heat):8.0f} ms  "
+          f"p95 {_pct(heat, 0.95):8.0f} ms")
 
 
 if __name__ == "__main__":

@@ -65,6 +65,34 @@ def test_it_downsamples_the_whole_run_into_buckets_of_steps(client: Any, world: 
     assert _get(client, world.owner, f"/api/v1/runs/{run.id}/steps", points=1).status_code == 400
 
 
+@pytest.mark.parametrize("max_rows", [2048, 16])  # 16: the 32 ranks become one row per node (its slowest rank)
+def test_each_heatmap_cell_is_its_ranks_mean_over_the_bucket(world: World, run: Run, max_rows: int,
+                                                              monkeypatch: Any) -> None:
+    from dashboard.web.pages import run_series
+
+    monkeypatch.setattr(run_series, "MAX_HEATMAP_ROWS", max_rows)
+    lo, hi = 2, int(run.last_step)
+    for metric in run_series.HEATMAP_METRICS:
+        for cols in (1, 4, 600):
+            body = run_series.heatmap(run, metric, lo, hi, cols)
+            width = body["bucket_steps"]
+            want: dict[tuple[str, int], list[float]] = {}
+            for r in StepSample.objects.filter(run=run, step__gte=lo, step__lte=hi).select_related("node"):
+                rank = Rank.objects.get(run=run, rank=r.rank)
+                label = f"rank {r.rank}" if body["row_kind"] == "rank" else rank.node.hostname
+                per = want.setdefault((label, r.rank, (r.step - lo) // width), [])  # type: ignore[arg-type]
+                if getattr(r, metric) is not None:
+                    per.append(getattr(r, metric))
+            cells: dict[tuple[str, int], float] = {}
+            for (label, _, b), vals in want.items():
+                if vals:
+                    cells[(label, b)] = max(cells.get((label, b), -math.inf), float(np.mean(vals)))
+            got = {(row["label"], b): v for row, zs in zip(body["rows"], body["z"], strict=True)
+                   for b, v in enumerate(zs) if v is not None}
+            assert got.keys() == cells.keys(), (metric, cols)
+            assert all(abs(got[k] - cells[k]) <= 5e-5 for k in got), (metric, cols)
+
+
 def test_the_heatmap_orders_ranks_by_node_and_shows_the_straggler_as_a_stripe(client: Any, world: World,
                                                                                 run: Run) -> None:
     # move ranks 0-3 to the last node: rows follow the nodes, not the rank numbers
