@@ -86,7 +86,11 @@ def test_fsdp2_reports_its_all_gathers_and_reduce_scatters_in_the_dp_group(paral
             assert (dp["role"], dp["name"], dp["group_rank"], dp["group_size"], dp["index"]) == ("dp", "dp", rank, 4, None)
             # Three sharded Linear layers: each gathered for forward and backward, its gradient reduce-scattered.
             assert dp["ops"] == {"all_gather": 6, "reduce_scatter": 3}
-            assert dp["exposed_s"] is not None and dp["exposed_s"] <= dp["inflight_s"] + 0.005
+            # A wait ends when the training thread wakes, in flight ends when gloo's thread runs the completion: on
+            # four ranks sharing two loaded cores the wake-up can trail the completion by a few ms per wait (CI once
+            # saw 54.9 ms exposed against 49.1 ms in flight). Exposure is of the collectives' scale, not the step's.
+            waits = sum(dp["ops"].values())
+            assert dp["exposed_s"] is not None and dp["exposed_s"] <= dp["inflight_s"] + 0.005 * waits
     meta = metas["par-fsdp2"][1]
     assert given(meta["layout"]) == {"strategy": "fsdp2", "zero_stage": 3, "sharding": "FULL_SHARD", "offload": False,
                               "mesh": {"dp": 4}, "coords": {"dp": 1}}
