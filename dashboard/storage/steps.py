@@ -103,7 +103,7 @@ def roll_up_steps(now: datetime) -> int:
         quiet = last_at is None or (now - last_at) > timedelta(seconds=SETTLE_S)
         settled = last_step if quiet else last_step - SETTLE_STEPS
         rolled = held.get(run_id)
-        again = sorted(s for s in late.get(run_id, ()) if rolled is not None and s <= rolled)
+        again = sorted(late.get(run_id, ()))  # the query kept only steps at or below the run's rolled_to
         for i in range(0, len(again), STEPS_PER_STATEMENT):
             part = again[i:i + STEPS_PER_STATEMENT]
             # A step whose raw rows retention has purged keeps its rollup: rolled again from what raw still holds

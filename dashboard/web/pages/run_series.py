@@ -110,8 +110,9 @@ def step_series(run: Run, lo: int, hi: int, points: int, rank: int | None = None
     starts = np.flatnonzero(np.r_[True, np.diff(bucket) != 0])
     ends = np.r_[starts[1:], len(bucket)]
     per_rank = rank is not None
-    mfu, goodput = _efficiency(run, s, starts, ends, world)
-    for a, b in zip(starts, ends, strict=True):
+    # A rank's view has no MFU or goodput of its own: worked out for the run's buckets only.
+    mfu, goodput = (None, None) if per_rank else _efficiency(run, s, starts, ends, world)
+    for i, (a, b) in enumerate(zip(starts, ends, strict=True)):
         sl = slice(a, b)
         out["step"].append(int(s["step"][a]))
         out["step_end"].append(int(s["step"][b - 1]))
@@ -129,10 +130,10 @@ def step_series(run: Run, lo: int, hi: int, points: int, rank: int | None = None
         for key in ("loss", "grad_norm"):
             v = s[key][sl]
             out[key].append(_r(np.nanmean(v)) if np.any(np.isfinite(v)) else None)
-        out["mfu"].append(None if per_rank else rnd(mfu[len(out["mfu"])], 4))
+        out["mfu"].append(None if mfu is None else rnd(mfu[i], 4))
         v = [stored[k] for k in s["step"][sl] if k in stored]
         out["mfu_step"].append(_r(float(np.mean(v)), 5) if v else None)
-        out["goodput"].append(None if per_rank else rnd(goodput[len(out["goodput"])], 3))
+        out["goodput"].append(None if goodput is None else rnd(goodput[i], 3))
     return out
 
 
