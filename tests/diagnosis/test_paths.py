@@ -64,6 +64,12 @@ def between_leaves(a: str, b: str, leaves: dict[str, str]) -> float:
     return SLOW_MS if leaves[a] != leaves[b] else QUIET_MS
 
 
+def between_leaves_busy_leaf_1(a: str, b: str, leaves: dict[str, str]) -> float:
+    """Every cross pair is slow, and so are two of leaf-1's six inside pairs (pings queued at two busy nodes, as the
+    testbed saw on two loaded cores): leaf-1 fails its own check, yet with two leaves every cross pair is shared."""
+    return SLOW_MS if leaves[a] != leaves[b] or {a, b} in ({"n01", "n02"}, {"n03", "n04"}) else QUIET_MS
+
+
 @pytest.mark.parametrize(("leaves", "rtt", "expected"), [
     pytest.param(THREE, healthy, set(), id="healthy mesh: nothing"),
     pytest.param(THREE, one_path, {("slow_link", "n02~n07")}, id="one bad path: that link only"),
@@ -73,6 +79,9 @@ def between_leaves(a: str, b: str, leaves: dict[str, str]) -> float:
     pytest.param(THREE, leaf_2_uplink, {("slow_link", "leaf-2")}, id="cross pairs of one leaf: the switch"),
     pytest.param(TWO, between_leaves, {("slow_link", "leaf-1~leaf-2")},
                  id="two leaves, every cross pair: the uplinks between them"),
+    pytest.param(TWO, between_leaves_busy_leaf_1,
+                 {("slow_link", "leaf-1~leaf-2")},
+                 id="two leaves, every cross pair, one leaf busy inside: still the uplinks between them"),
     pytest.param(THREE, between_leaves, {("slow_link", "leaf-1~leaf-2~leaf-3")},
                  id="every leaf's cross pairs: the spine"),
 ])

@@ -80,17 +80,23 @@ def test_a_rate_limit_on_the_rack_uplink_names_the_uplink_not_its_nodes(site, be
     watch = _healthy(site, bed, "uplink")
     since = time.time()
     bed.limit_uplink("100mbit")
-    out = watch.until("slow_link", UPLINK, since, timeout=45)
+    # Named on bulk bandwidth (100 Mb/s shared by the cross-rack transfers), or on the RTT of pings queued behind
+    # those transfers in the uplink's shaper: either way the evidence must show the uplink, with the inside fine. The
+    # first pass after the limit may still count transfers that began before it (a median of 0.38 Gb/s was seen),
+    # so the evidence is awaited, and no pass meanwhile may name anything else (a leaf alone, a node).
+    out = watch.until("slow_link", UPLINK, since, timeout=45, accept=_shows_the_uplink)
     check_named(watch, out, {("slow_link", UPLINK)})
     d = out.detection
     metrics = d.evidence["metrics"]
     assert d.subject_type == "switch" and d.node is None and metrics["nodes"] == [n.name for n in bed.nodes], metrics
-    # Named on bulk bandwidth (100 Mb/s shared by the cross-rack transfers), or on the RTT of pings queued behind
-    # those transfers in the uplink's shaper: either way the evidence shows the uplink, and the inside is fine.
-    if "bw_gbps" in metrics:
-        assert metrics["bw_gbps"] < 0.12 < 0.5 < metrics["inside_bw_gbps"], metrics
-    else:
-        assert metrics["rtt_ms"] > 5 * max(metrics["inside_rtt_ms"], 0.2), metrics
+    assert metrics["groups"] == ["leaf-1", "leaf-2"], metrics
+
+
+def _shows_the_uplink(d: Any) -> bool:
+    m = d.evidence["metrics"]
+    if "bw_gbps" in m:
+        return bool(m["bw_gbps"] < 0.12 < 0.5 < m["inside_bw_gbps"])
+    return bool(m["rtt_ms"] > 5 * max(m["inside_rtt_ms"], 0.2))
 
 
 def test_a_delay_on_one_path_between_racks_names_that_link(site, bed: Testbed, delay_program: Path) -> None:

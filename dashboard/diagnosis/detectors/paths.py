@@ -316,9 +316,10 @@ def _switches(w: Window, t: Thresholds, mesh: Pairs) -> list[Detection]:
     if not flagged:
         return []
     measured = [g for g, s in sides.items() if len(s.cross) or (bulk is not None and bulk.crosses(names.index(g)))]
-    if len(measured) == 2 and len(flagged) == 1 and sides[flagged[0]].narrow is not None:
-        # Two groups share every cross transfer: the other group's check failed on its own inside transfers (one
-        # of them contended at that moment), not on the uplink, which is the same one.
+    if len(measured) == 2 and len(flagged) == 1:
+        # Two groups share every cross pair and transfer: the other group's check failed on its own inside pairs
+        # (pings queued at a busy node, a transfer contended at that moment), not on the uplink, which is the same
+        # one, so both are named, on the same evidence (bandwidth when that was what flagged it, else RTT).
         other = next(g for g in measured if g != flagged[0])
         sides[other].narrow, flagged = sides[flagged[0]].narrow, measured
     if len(flagged) >= 2 and set(flagged) == set(measured):
