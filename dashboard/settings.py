@@ -146,7 +146,8 @@ if REDIS_URL:
         }
     }
 else:
-    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer", "CONFIG": {"capacity": 2000}}}
+    # In-process, messages shared rather than deep-copied per browser (dashboard/live/layer.py says why).
+    CHANNEL_LAYERS = {"default": {"BACKEND": "dashboard.live.layer.LocalChannelLayer", "CONFIG": {"capacity": 2000}}}
 
 # The cache holds the failed sign-in counts: in-process embedded, shared by every server process with Redis.
 if REDIS_URL:
