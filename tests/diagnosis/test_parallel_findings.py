@@ -150,6 +150,26 @@ def test_a_member_a_few_ms_late_beside_one_starved_for_half_a_second_is_not_name
     assert keys(alone, "data_starvation", "straggler") == [("straggler", "r/rank1")]
 
 
+def test_a_rank_a_few_ms_late_in_another_group_beside_the_run_s_straggler_is_not_named() -> None:
+    """The run waits for its latest rank: rank 0 computes 500 ms longer (its replica, ranks 0 and 1, is late at the
+    DP all-reduce); in TP group 1, rank 3 trails rank 2 by 20 ms (a loaded host) — nothing while rank 0 holds the
+    run back, and named once it does not (the same 20 ms is 5 % of the step, above the 2 % floor)."""
+    def with_busy_rank_3(slow: Groups | None) -> Groups:
+        def groups(step: int, r: int) -> list[dict[str, Any]]:
+            out = slow(step, r) if slow is not None else [_g("tp", r // 2, r % 2, 2, 0.01, 0.002),
+                                                         _g("dp", r % 2, r // 2, 2, 0.2, 0.01)]
+            if r in (2, 3):  # rank 2 is blocked in TP group 1 for the 20 ms rank 3 arrives after it
+                tp = out[0]
+                out[0] = {**tp, "arrive_s": tp["arrive_s"] + (0.02 if r == 3 else 0.0),
+                          "exposed_s": tp["exposed_s"] + (0.02 if r == 2 else 0.0)}
+            return out
+        return groups
+    found = diagnose(window(compute={0: 0.5}, groups=with_busy_rank_3(tp_dp(slow=0, lag=0.5))))
+    assert keys(found, "data_starvation", "straggler") == [("straggler", "r/rank0")]
+    alone = diagnose(window(groups=with_busy_rank_3(None)))
+    assert keys(alone, "data_starvation", "straggler") == [("straggler", "r/rank3")]
+
+
 # -- exposed communication, memory ----------------------------------------------------------------------------------
 
 def test_it_reports_exposed_communication_with_tp_across_nodes_and_a_forced_algorithm() -> None:

@@ -144,18 +144,19 @@ def _late_run(w: Window, rs: RunSteps, groups: list[Group], t: Thresholds) -> li
     named: dict[int, Detection] = {}
     blamed: set[tuple[str, int]] = set()  # inner groups that hold a named culprit
     late_by_role: dict[str, set[int]] = {}
-    for g in groups:
-        min_lag = max(t.late_min_frac * rs.step_med, MIN_LAG_S)
-        if g.role == "pp":
-            # A pipeline's stages wait for one another by design: the first stage is blocked for the last one's
-            # backward, the last one for the first activations. Only a lag beyond the schedule's bubble is a slow
-            # stage (2% of the step named the last stage of a healthy real pipeline).
-            min_lag = max(min_lag, _bubble(rs, len(g.ranks)) * rs.step_med)
-        lag = _lag(g)
-        # The group waits for its latest member: one a tenth as late costs the group nothing while that one is there
-        # (a loaded host's 16 ms beside a rank starved for 500 ms was named), and once it is fixed the next pass
-        # names the other if it persists.
-        flags = (lag >= min_lag) & (lag >= WORST_SHARE * lag.max(axis=0, keepdims=True))
+    lags = [_lag(g) for g in groups]
+    floors = [_min_lag(rs, g, t) for g in groups]
+    # The run waits for its latest rank, whichever group it is in: at each step, the largest lag any group has
+    # above its floor.
+    worst = np.zeros(lags[0].shape[1] if lags else 0)
+    for lag, floor in zip(lags, floors, strict=True):
+        worst = np.fmax(worst, np.where(lag >= floor, lag, 0.0).max(axis=0))
+    for g, lag, min_lag in zip(groups, lags, floors, strict=True):
+        # The group waits for its latest member, and the run for its latest rank: one a tenth as late costs nothing
+        # while that one is there (a loaded host's 16 ms beside a rank starved for 500 ms was named; in another
+        # group, the 20 ms by which a busy rank trails the slow rank's echo through the data-parallel all-reduce),
+        # and once it is fixed the next pass names the other if it persists.
+        flags = (lag >= min_lag) & (lag >= WORST_SHARE * np.fmax(lag.max(axis=0, keepdims=True), worst))
         flags[:, flags.sum(axis=0) > len(g.ranks) / 2] = False
         mine = present[[row[r] for r in g.ranks]]
         hit = _persistent(flags & mine, mine, t.recent_steps, t.persist_steps)
@@ -172,6 +173,16 @@ def _late_run(w: Window, rs: RunSteps, groups: list[Group], t: Thresholds) -> li
         if rep:
             d.evidence["metrics"]["replica"] = rep
     return list(named.values())
+
+
+def _min_lag(rs: RunSteps, g: Group, t: Thresholds) -> float:
+    min_lag = max(t.late_min_frac * rs.step_med, MIN_LAG_S)
+    if g.role == "pp":
+        # A pipeline's stages wait for one another by design: the first stage is blocked for the last one's
+        # backward, the last one for the first activations. Only a lag beyond the schedule's bubble is a slow stage
+        # (2% of the step named the last stage of a healthy real pipeline).
+        min_lag = max(min_lag, _bubble(rs, len(g.ranks)) * rs.step_med)
+    return min_lag
 
 
 def _bubble(rs: RunSteps, stages: int) -> float:
