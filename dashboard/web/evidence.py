@@ -34,7 +34,7 @@ from dashboard.diagnosis.detectors.base import Thresholds
 from dashboard.diagnosis.detectors.network import PORT_ERRORS
 from dashboard.diagnosis.detectors.window import SPANS
 from dashboard.diagnosis.models import Finding
-from dashboard.telemetry.models import Event, GpuSample, HostSample, PortSample, Probe, Rank, StepSample
+from dashboard.telemetry.models import Event, Gpu, GpuSample, HostSample, PortSample, Probe, Rank, StepSample
 from dashboard.web import evidence_math as em
 from dashboard.web.evidence_headline import headline
 from dashboard.web.series import TimeRange, downsample, downsample_tiered, tiered
@@ -564,7 +564,9 @@ def _heard_from_rollups(f: Finding, gpu: int | None, t0: float, t1: float) -> tu
 def _node_down(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
     if f.node_id is None:
         return []
-    first = GpuSample.objects.filter(node_id=f.node_id).order_by("gpu_index").values_list("gpu_index", flat=True)[:1]
+    # The node's first GPU from its inventory (every GPU that ever sent a sample is in it): the samples are indexed by
+    # (node, ts), so asking them for their least gpu_index would read all of the node's rows.
+    first = Gpu.objects.filter(node_id=f.node_id).order_by("index").values_list("index", flat=True)[:1]
     heard_qs = (GpuSample.objects.filter(node_id=f.node_id, gpu_index__in=list(first)) if first
                 else HostSample.objects.filter(node_id=f.node_id))
     heard = [ts.timestamp() for ts in heard_qs.filter(ts__gte=_dt(t0 - 120), ts__lte=_dt(t1))

@@ -199,6 +199,43 @@ def test_probes_to_a_node_are_read_by_index_not_by_scanning_the_cluster(client: 
     assert any("(cluster_id=? AND peer=? AND ts>" in plan for plan in plans), plans
 
 
+def test_a_nodes_and_a_gpus_samples_are_read_by_the_node_index(client: Any, world: World, sim: Feed) -> None:
+    """Every query of the GPU samples the node page, the GPU view and a GPU or node-down finding's evidence make is
+    answered from the (node, ts) index (migration telemetry 0013: a GPU's rows are its node's rows, kept), never by
+    scanning the table or the cluster's range."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from dashboard.diagnosis.detectors import Thresholds
+    from dashboard.web import evidence
+    from dashboard.web.pages import node as node_page
+    from dashboard.web.pages import node_series
+
+    if connection.vendor != "sqlite":
+        pytest.skip("the plan checked is SQLite's (PostgreSQL plans these few rows with a sequential scan)")
+    node = Node.objects.get(hostname="node-001")
+    now = time.time()
+    gpu_finding = Finding(cluster=world.cluster, node=node, gpu_index=1, kind="gpu_throttling", subject="node-001/1")
+    down = Finding(cluster=world.cluster, node=node, kind="node_down", subject=node.hostname)
+    with CaptureQueriesContext(connection) as seen:
+        whole = node_series.node_series(node, TimeRange(now - 900, now, 100), None)
+        one = node_series.node_series(node, TimeRange(now - 900, now, 100), 1)
+        latest = node_page._latest_gpus(node)
+        evidence._throttling(gpu_finding, Thresholds(), now - 60, now)
+        evidence._node_down(down, Thresholds(), now - 60, now)
+    assert sorted(whole["gpus"]) == ["0", "1"] and list(one["gpus"]) == ["1"] and sorted(latest) == [0, 1]
+    plans = []
+    with connection.cursor() as cursor:
+        for q in seen.captured_queries:
+            if '"telemetry_gpusample"' in q["sql"]:
+                cursor.execute("EXPLAIN QUERY PLAN " + q["sql"])
+                plans.append(" | ".join(str(r[-1]) for r in cursor.fetchall()))
+    assert len(plans) >= 8, plans  # the series and bands twice, each GPU's latest row, the two findings' evidence
+    for plan in plans:
+        assert "SCAN telemetry_gpusample" not in plan and "(cluster_id=? AND ts" not in plan, plan
+        assert "telemetry_g_node_id_cb4480_idx (node_id=?" in plan, plan
+
+
 @pytest.mark.django_db
 def test_a_day_of_samples_comes_back_downsampled(client: Any, world: World) -> None:
     """24 h asked with ?points=200: every series holds at most 200 buckets, whatever the raw count."""

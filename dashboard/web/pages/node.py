@@ -78,7 +78,8 @@ def _state(node: Node, open_findings: list[dict[str, Any]]) -> str:
 
 
 def _latest_gpus(node: Node) -> dict[int, dict[str, Any]]:
-    """The newest sample of each GPU: one indexed lookup per GPU on (node, gpu_index, ts)."""
+    """The newest sample of each GPU: one lookup per GPU, backwards along the (node, ts) index from the node's newest
+    row (a GPU that still reports is among its node's newest few rows)."""
     out: dict[int, dict[str, Any]] = {}
     for gpu in node.gpus.all():
         row = (GpuSample.objects.filter(node=node, gpu_index=gpu.index).order_by("-ts")
