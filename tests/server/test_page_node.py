@@ -168,6 +168,19 @@ def test_series_api_draws_every_concern_under_the_points_cap(client: Any, world:
     assert list(one["gpus"]) == ["1"] and "host" not in one
 
 
+def _plans(queries: list[dict[str, str]], table: str) -> list[str]:
+    """SQLite's plan (its lines joined) for each captured query that reads ``table``."""
+    from django.db import connection
+
+    plans = []
+    with connection.cursor() as cursor:
+        for q in queries:
+            if f'"{table}"' in q["sql"]:
+                cursor.execute("EXPLAIN QUERY PLAN " + q["sql"])
+                plans.append(" | ".join(str(r[-1]) for r in cursor.fetchall()))
+    return plans
+
+
 def test_probes_to_a_node_are_read_by_index_not_by_scanning_the_cluster(client: Any, world: World, sim: Feed) -> None:
     """Every query of the probes table the node page and a node-down finding's evidence make is answered from an
     index that names the node (as sender or as peer), never from (cluster, ts): that one read every probe of the
@@ -187,12 +200,7 @@ def test_probes_to_a_node_are_read_by_index_not_by_scanning_the_cluster(client: 
         series = node_series.probe_series(node, TimeRange(now - 900, now, 100))
         got = evidence.downsample(evidence._probe_qs(finding), TimeRange(now - 900, now, 100), ["rtt_ms"]).get("")
     assert {p["direction"] for p in series["peers"]} == {"in", "out"} and got and got["t"]
-    plans = []
-    with connection.cursor() as cursor:
-        for q in seen.captured_queries:
-            if '"telemetry_probe"' in q["sql"]:
-                cursor.execute("EXPLAIN QUERY PLAN " + q["sql"])
-                plans.append(" | ".join(str(r[-1]) for r in cursor.fetchall()))
+    plans = _plans(seen.captured_queries, "telemetry_probe")
     assert len(plans) >= 5, plans
     for plan in plans:
         assert "SCAN telemetry_probe" not in plan and "(cluster_id=? AND ts>" not in plan, plan
@@ -224,12 +232,7 @@ def test_a_nodes_and_a_gpus_samples_are_read_by_the_node_index(client: Any, worl
         evidence._throttling(gpu_finding, Thresholds(), now - 60, now)
         evidence._node_down(down, Thresholds(), now - 60, now)
     assert sorted(whole["gpus"]) == ["0", "1"] and list(one["gpus"]) == ["1"] and sorted(latest) == [0, 1]
-    plans = []
-    with connection.cursor() as cursor:
-        for q in seen.captured_queries:
-            if '"telemetry_gpusample"' in q["sql"]:
-                cursor.execute("EXPLAIN QUERY PLAN " + q["sql"])
-                plans.append(" | ".join(str(r[-1]) for r in cursor.fetchall()))
+    plans = _plans(seen.captured_queries, "telemetry_gpusample")
     assert len(plans) >= 8, plans  # the series and bands twice, each GPU's latest row, the two findings' evidence
     for plan in plans:
         assert "SCAN telemetry_gpusample" not in plan and "(cluster_id=? AND ts" not in plan, plan
