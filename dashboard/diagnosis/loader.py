@@ -504,7 +504,7 @@ def _steps_and_losses(cluster_id: int, run_id: int, last_step: int,
                       loss_rank: int) -> tuple[held.Series, np.ndarray]:
     """One query per run, two index range scans: every rank's last STEP_SPAN steps ((run, step); the rows this
     process does not hold yet, :mod:`dashboard.diagnosis.held`) and the loss of ``loss_rank``'s last LOSS_SPAN steps
-    ((run, rank, step): the training loop's loss is the same on every rank, or logged on rank 0 only). Returns the
+    ((run, rank group, step): the training loop's loss is the same on every rank, or logged on rank 0 only). Returns the
     steps (numeric rows STEP_NUM[1:], the groups cells) and the (step, ts, loss) rows."""
     table = connection.ops.quote_name(m.StepSample._meta.db_table)
     nums = ["rank", "step", _epoch(), *STEP_NUM[4:]]
@@ -515,9 +515,9 @@ def _steps_and_losses(cluster_id: int, run_id: int, last_step: int,
         scope = "run_id = %s" if fresh else "run_id + 0 = %s"  # see held.read
         sql = (f"SELECT id, {', '.join(nums)}, 0, {_text('groups')}, NULL FROM {table} WHERE {scope} AND {cond} "
                f"UNION ALL SELECT id, rank, step, {_epoch()}, {blank}, 1, NULL, {_text('metrics')} FROM {table} "
-               "WHERE run_id = %s AND rank = %s AND step > %s")
+               f"WHERE run_id = %s AND {m.rank_group_sql()} = %s AND rank + 0 = %s AND step > %s")
         with _cursor() as cur:
-            cur.execute(sql, [run_id, *params, run_id, loss_rank, last_step - LOSS_SPAN])
+            cur.execute(sql, [run_id, *params, run_id, loss_rank // m.RANK_GROUP, loss_rank, last_step - LOSS_SPAN])
             rows = cur.fetchall()
         k = len(nums) + 2
         cells = _cells(rows, k + 2)

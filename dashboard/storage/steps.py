@@ -26,7 +26,7 @@ from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
 
 from dashboard.storage.models import STEP_SPLIT, RollupState, StepRollup, StepRollupState
-from dashboard.telemetry.models import Run, StepSample
+from dashboard.telemetry.models import Run, StepSample, of_rank
 
 SETTLE_STEPS = 50  # a step this far behind the newest one has every rank's row (ranks are never 50 steps apart)
 SETTLE_S = 300.0  # a run that has not stepped for this long is settled to its last step
@@ -52,7 +52,7 @@ def _raw(run_id: int, lo: int, hi: int, rank: int | None = None, steps: list[int
     """Steps ``lo..hi`` grouped from raw rows (only ``steps`` of them when given; one ``rank``'s when given)."""
     qs = StepSample.objects.filter(run_id=run_id, step__gte=lo, step__lte=hi)
     if rank is not None:
-        qs = qs.filter(rank=rank)
+        qs = of_rank(qs, rank)
     if steps is not None:
         qs = qs.filter(step__in=steps)
     return list(qs.values("step").annotate(**_aggregate()).order_by("step"))

@@ -34,7 +34,7 @@ from dashboard.diagnosis.detectors.base import Thresholds
 from dashboard.diagnosis.detectors.network import PORT_ERRORS
 from dashboard.diagnosis.detectors.window import SPANS
 from dashboard.diagnosis.models import Finding
-from dashboard.telemetry.models import Event, Gpu, GpuSample, HostSample, PortSample, Probe, Rank, StepSample
+from dashboard.telemetry.models import Event, Gpu, GpuSample, HostSample, PortSample, Probe, Rank, StepSample, of_rank
 from dashboard.web import evidence_math as em
 from dashboard.web.evidence_headline import headline
 from dashboard.web.series import TimeRange, downsample, downsample_tiered, tiered
@@ -125,7 +125,7 @@ def step_matrix(f: Finding, t0: float, t1: float, cols: tuple[str, ...], rank: i
     steps = [s for s, _ in steps_ts]
     qs = StepSample.objects.filter(run_id=f.run_id, step__gte=steps[0], step__lte=steps[-1])
     if rank is not None:
-        qs = qs.filter(rank=rank)
+        qs = of_rank(qs, rank)
     rows = list(qs.values_list("rank", "step", "step_time_s", *cols))
     if not rows:
         return None
@@ -345,7 +345,10 @@ def _stall(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, An
                  window=evidence_window(f))]
     progress = [line("step (all ranks)", "context", [round(ts, 3) for _, ts in steps_ts], [s for s, _ in steps_ts])]
     if f.rank is not None:
-        mine = (StepSample.objects.filter(run_id=f.run_id, rank=f.rank, ts__gte=_dt(t0), ts__lte=_dt(t1))
+        # The steps' bounds as well as the time's: by time alone SQLite reads every rank's rows in the range.
+        shown = [s for s, _ in steps_ts]
+        mine = (of_rank(StepSample.objects.filter(run_id=f.run_id, ts__gte=_dt(t0), ts__lte=_dt(t1),
+                                                  step__gte=min(shown), step__lte=max(shown)), f.rank)
                 .order_by("step").values_list("step", "ts"))
         progress.insert(0, line(f"rank {f.rank}", "subject", [ts.timestamp() for _, ts in mine], [s for s, _ in mine]))
     out.append(panel("progress", "Step progress", "time", "step", progress, [], window=evidence_window(f)))

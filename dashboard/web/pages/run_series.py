@@ -21,7 +21,7 @@ from dashboard.diagnosis.detectors.window import GPU_NUM, PORT_NUM, PROBE_NUM, S
 from dashboard.diagnosis.models import Finding, StepEfficiency
 from dashboard.storage.models import STEP_SPLIT
 from dashboard.storage.steps import COLUMNS, per_step
-from dashboard.telemetry.models import Rank, Run, StepSample
+from dashboard.telemetry.models import Rank, Run, StepSample, of_rank
 from dashboard.web.links import finding_url, node_url, rank_url
 
 SPLIT = STEP_SPLIT
@@ -34,7 +34,7 @@ EFFICIENCY_STEPS = 16  # efficiency_figures looks at a run's last 16 steps: per 
 def step_bounds(run: Run, rank: int | None = None) -> tuple[int, int] | None:
     qs = StepSample.objects.filter(run=run)
     if rank is not None:
-        qs = qs.filter(rank=rank)
+        qs = of_rank(qs, rank)
     b = qs.aggregate(lo=Min("step"), hi=Max("step"))
     return None if b["lo"] is None else (int(b["lo"]), int(b["hi"]))
 
