@@ -331,6 +331,9 @@ def main() -> int:
     p.add_argument("--profile", metavar="PATH",
                    help="sample the server's process tree with py-spy over the run (pip install py-spy); written "
                         "as collapsed stacks (one 'frame;frame;... count' a line) to PATH")
+    p.add_argument("--profile-threads", action="store_true",
+                   help="with --profile: every thread, idle ones included, one stack root per thread (where each "
+                        "thread's wall time goes: the group writer waiting for batches, for the GIL, on the disk)")
     args = p.parse_args()
     seconds = int(args.seconds)
 
@@ -390,10 +393,12 @@ def main() -> int:
         if args.profile:
             # --gil: only the thread holding the GIL, so the samples count CPU spent in Python, not threads waiting
             # on a socket; --nonblocking: the server is not paused to read its stacks.
+            # --profile-threads: --idle --threads instead, every thread's wall time.
             spy_bin = Path(sys.executable).with_name("py-spy")
+            mode = ["--idle", "--threads"] if args.profile_threads else ["--gil"]
             try:
                 spy = subprocess.Popen([str(spy_bin) if spy_bin.exists() else "py-spy", "record", "--pid",
-                                        str(server.pid), "--subprocesses", "--gil", "--nonblocking", "--rate", "50",
+                                        str(server.pid), "--subprocesses", *mode, "--nonblocking", "--rate", "50",
                                         "--format", "raw", "--duration", str(seconds), "-o", args.profile],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             except FileNotFoundError:

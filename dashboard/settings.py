@@ -118,7 +118,7 @@ else:
             private_file(_db_file)
     DATABASES = {
         "default": {
-            "ENGINE": "django.db.backends.sqlite3",
+            "ENGINE": "dashboard.storage.sqlite",  # Django's, with a fair in-process write lock (its docstring)
             "NAME": str(SQLITE_PATH),
             "OPTIONS": {
                 # WAL lets the pages read while ingest writes; IMMEDIATE takes the write lock up front so two

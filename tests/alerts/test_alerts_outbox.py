@@ -56,7 +56,7 @@ print("survived the commit", flush=True)
 def _db_env() -> dict[str, str]:
     db = settings.DATABASES["default"]
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "CLUSTERDX_SQLITE_PATH")}
-    if db["ENGINE"].endswith("sqlite3"):
+    if db["ENGINE"] != "django.db.backends.postgresql":
         env["CLUSTERDX_SQLITE_PATH"] = str(db["NAME"])  # the test database file this run created
     else:
         env["DATABASE_URL"] = (f"postgresql://{db['USER']}:{db['PASSWORD'] or ''}@{db['HOST'] or '127.0.0.1'}:"
