@@ -395,8 +395,12 @@ def _store_run_metas(metas: list[Meta], memo: dict[tuple[int, str], int]) -> Non
         changed[key] = (rank_node, meta, stable)
     if not changed:
         return
-    have = {(r, k): (pk, was) for r, k, pk, was in m.Rank.objects.filter(run_id__in={r for r, _ in changed})
-            .values_list("run_id", "rank", "id", "node_id") if (r, k) in changed}
+    ranks = m.Rank.objects.filter(run_id__in={r for r, _ in changed})
+    numbers = {k for _, k in changed}
+    if len(numbers) <= RANKS_BY_NUMBER:  # the (run, rank) unique index: a group's ranks, not all 16,384 of a run
+        ranks = ranks.filter(rank__in=sorted(numbers))
+    have = {(r, k): (pk, was) for r, k, pk, was in ranks.values_list("run_id", "rank", "id", "node_id")
+            if (r, k) in changed}
     create: list[list[Any]] = []
     now, runs = datetime.now(tz=UTC), {}
     moves: list[Move] = []
@@ -548,6 +552,8 @@ PROBE_COLS = ["cluster", "node", "ts", *PROBE_FIELDS]
 
 
 RANK_COLS = ["run", "rank", "node", "local_rank", "gpu_index", "meta", "updated_at"]
+# A group's changed ranks are looked up by number up to this many (one bound value each); more read the runs' ranks.
+RANKS_BY_NUMBER = 2000
 GPU_INVENTORY_COLS = ["node", "index", "uuid", "name", "pci_bus_id"]
 SERIES: list[tuple[type[models.Model], list[str]]] = [
     (m.GpuSample, GPU_COLS), (m.HostSample, HOST_COLS), (m.PortSample, PORT_COLS), (m.StepSample, STEP_COLS),
