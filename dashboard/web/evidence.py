@@ -185,7 +185,8 @@ def _late_panels(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[s
     out.append(panel("compute", f"Compute time of {who} vs the cross-rank median", "step", "compute (s)",
                      [line(who, "subject", steps, em.clean(m["compute_s"][i])),
                       line("median of all ranks", "baseline", steps, em.clean(med))],
-                     [{"name": f"max(median + {t.z:g}σ, {t.compute_ratio_min:g}× median)", "x": steps,
+                     [{"name": f"max(median + {t.z:g}σ, {t.compute_ratio_min:g}× median, median + "
+                               f"{t.compute_min_s * 1e3:g} ms)", "x": steps,
                        "y": em.clean(thr)}], window=win))
     arrive = m["comm_arrive_s"]
     if np.any(~np.isnan(arrive)):
@@ -625,7 +626,7 @@ def _nccl(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any
 # The Thresholds fields each kind's detector compares against (shown with the numbers).
 PARAMS: dict[str, tuple[str, ...]] = {
     "data_starvation": ("z", "data_share_min", "data_min_s", "persist_steps", "recent_steps", "run_starved_share"),
-    "straggler": ("z", "compute_ratio_min", "late_min_frac", "persist_steps", "recent_steps"),
+    "straggler": ("z", "compute_ratio_min", "compute_min_s", "late_min_frac", "persist_steps", "recent_steps"),
     "slow_link": ("rtt_ratio", "rtt_abs_ms", "loss_frac", "bw_ratio", "node_bad_frac", "port_error_samples"),
     "failing_gpu": ("sbe_min", "sbe_samples", "pcie_replay_min", "nvlink_errors_min"),
     "throttling": ("clock_ratio", "throttle_s", "throttle_with_rank_s", "busy_util_pct"),

@@ -32,11 +32,12 @@ def robust(mat: np.ndarray, floor: float | np.ndarray) -> tuple[np.ndarray, np.n
 
 def compute_threshold(comp: np.ndarray, t: Thresholds) -> tuple[np.ndarray, np.ndarray]:
     """Straggler (``steps._late_in_run`` "slow"): a rank's compute is flagged above
-    max(median + z·σ, compute_ratio_min·median), σ floored at 1% of the overall median compute. -> (median, line)."""
+    max(median + z·σ, compute_ratio_min·median, median + compute_min_s), σ floored at 1% of the overall median
+    compute. -> (median, line)."""
     with np.errstate(all="ignore"):
         floor = 0.01 * float(np.nanmedian(comp)) if np.any(~np.isnan(comp)) else 0.0
     med, scale = robust(comp, floor)
-    return med, np.fmax(med + t.z * scale, t.compute_ratio_min * med)
+    return med, np.fmax(np.fmax(med + t.z * scale, t.compute_ratio_min * med), med + t.compute_min_s)
 
 
 def data_wait_threshold(data: np.ndarray, step_time: np.ndarray, t: Thresholds) -> tuple[np.ndarray, np.ndarray]:

@@ -280,10 +280,19 @@ def test_the_compute_line_separates_exactly_what_the_straggler_detector_flags() 
     comp[6, 5:] *= 1.3
     comp[9, 8] *= 1.03  # slower, but under compute_ratio_min
     t = Thresholds()
-    cz, cmed = robust_z(comp, 0, floor=0.01 * np.nanmedian(comp))
-    flagged = (cz > t.z) & (comp >= t.compute_ratio_min * cmed)
-    _, line = em.compute_threshold(comp, t)
-    assert ((comp > line) == flagged).all() and flagged[6, 5:].all() and not flagged[9].any()
+    for matrix, slow, not_slow in ((comp, 6, 9), (_fast_steps(), 2, 4)):
+        cz, cmed = robust_z(matrix, 0, floor=0.01 * np.nanmedian(matrix))
+        flagged = (cz > t.z) & (matrix >= t.compute_ratio_min * cmed) & (matrix - cmed >= t.compute_min_s)
+        _, line = em.compute_threshold(matrix, t)
+        assert ((matrix > line) == flagged).all() and flagged[slow, 5:].all() and not flagged[not_slow].any()
+
+
+def _fast_steps() -> np.ndarray:
+    """50 ms of compute: a rank 30 % slower (15 ms) is flagged, one 10 % slower (5 ms, a busy host's timer) is not."""
+    comp = 0.05 + np.random.default_rng(4).normal(0, 0.0002, (8, 12))
+    comp[2, 5:] *= 1.3
+    comp[4, 5:] *= 1.1
+    return comp
 
 
 def test_the_rolling_increase_is_what_the_gpu_detector_sums() -> None:

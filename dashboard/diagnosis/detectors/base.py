@@ -47,6 +47,9 @@ class Thresholds:
     # waited 4 ms, 6 % of its 70 ms step, and was named starved next to the link that slowed it)
     data_min_s: float = 0.01
     compute_ratio_min: float = 1.04
+    # ... and slower by at least this long: a rank whose 50 ms of compute took 3 ms more on the testbed's busy two
+    # cores (its timer slept late; z 7.6 against a tiny spread) was named a straggler of a healthy job
+    compute_min_s: float = 0.01
     run_starved_share: float = 0.15  # every rank waits this share: the whole run is starved
     run_wide_frac: float = 0.9  # "every rank": this share of the ranks; fewer culprits are each named
     # Hang: no step for this many median steps (and at least min_s) while every agent of the run is alive.

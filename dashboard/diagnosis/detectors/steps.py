@@ -135,13 +135,14 @@ def _late_in_run(w: Window, rs: RunSteps, t: Thresholds, skip: set[int] | None =
         dz, dmed = robust_z(data, 0, floor=0.005 * med_step)
         starved = (dz > t.z) & (data / m["step_time_s"] >= t.data_share_min) & (data >= t.data_min_s)
         cz, cmed = robust_z(comp, 0, floor=0.01 * np.nanmedian(comp))
-        slow = (cz > t.z) & (comp >= t.compute_ratio_min * cmed)
+        slow = (cz > t.z) & (comp >= t.compute_ratio_min * cmed) & (comp - cmed >= t.compute_min_s)
         # Several at once: against the lower ranks, with the same minimum sizes (and lateness in absolute terms).
         dlz, dref = _low_ref(data, 0.005 * med_step)
         starved_low = (dlz > t.z) & (data / m["step_time_s"] >= t.data_share_min) & (data >= t.data_min_s) & \
             (data - dref > t.late_min_frac * med_step)
         clz, cref = _low_ref(comp, 0.01 * np.nanmedian(comp))
-        slow_low = (clz > t.z) & (comp >= t.compute_ratio_min * cref) & (comp - cref > t.late_min_frac * med_step)
+        slow_low = (clz > t.z) & (comp >= t.compute_ratio_min * cref) & (comp - cref > t.late_min_frac * med_step) & \
+            (comp - cref >= t.compute_min_s)
     flags = np.nan_to_num(late | starved | slow | starved_low | slow_low, nan=0).astype(bool) & present
     culprits = [int(i) for i in np.nonzero(_persistent(flags, present, t.recent_steps, t.persist_steps))[0]]
     if not culprits or len(culprits) >= t.run_wide_frac * len(rs.ranks):
