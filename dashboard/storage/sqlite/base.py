@@ -5,8 +5,8 @@ SQLite lets one connection write at a time. A connection that finds the lock tak
 which polls: it sleeps 1, 2, 5, 10 ... then 100 ms between tries and never queues. Under ingest the group writer
 holds the lock almost back to back (one transaction per group, tens to hundreds of ms each) and takes it again at
 once, so a poller rarely finds it free: findings' reconciliation, alert deliveries, rollups and retention, which run
-in the server's other thread, waited seconds each (measured with a 30 ms writer and a 10 ms second writer: the
-second got 4 transactions in 5 s, waiting 1.2 s on average; 69 with this lock, waiting 22 ms). The writer in turn
+in the server's other thread, waited seconds each (``benchmarks/sqlite_turns.py``: against a 30 ms writer back to
+back, a 10 ms transaction every 50 ms got 1 in 5 s, after 5.0 s; 69 with this lock, waiting 22 ms). The writer in turn
 sleeps through whole polling intervals after the other thread is done. Here a thread that begins a write transaction
 queues on a fair in-process lock first and is handed the lock when the holder commits or rolls back, so SQLite's
 lock is free by the time it asks (other processes, the CLI say, still meet SQLite's busy handler).
