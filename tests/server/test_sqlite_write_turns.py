@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from django.db import OperationalError, connection, connections, transaction
+from prometheus_client import REGISTRY
 
 from dashboard.storage.sqlite.base import FairLock, write_lock
 from dashboard.telemetry.models import Cluster
@@ -52,6 +53,7 @@ def test_the_lock_is_handed_over_in_arrival_order_and_a_timed_out_waiter_leaves_
 @pytest.mark.django_db(transaction=True)
 def test_a_waiting_thread_goes_before_the_writers_next_transaction_and_every_end_hands_the_lock_on() -> None:
     name = connection.settings_dict["NAME"]
+    waits_before = REGISTRY.get_sample_value("clusterdx_db_write_wait_seconds_count") or 0.0
     turns: list[str] = []
     writer_in, other_queued, stop = threading.Event(), threading.Event(), threading.Event()
 
@@ -90,6 +92,9 @@ def test_a_waiting_thread_goes_before_the_writers_next_transaction_and_every_end
         t.join(30)
     # FIFO: the other thread was queued during the writer's first transaction, so it is the second one.
     assert turns[:2] == ["writer", "other"], turns[:5]
+    # Every turn is timed for /metrics, the other thread's wait (the writer's whole first transaction) among them.
+    waits = REGISTRY.get_sample_value("clusterdx_db_write_wait_seconds_count")
+    assert waits is not None and waits >= waits_before + len(turns)
 
     # A rollback (an exception in the block) and a closed connection hand the lock on as a commit does.
     with pytest.raises(RuntimeError), transaction.atomic():

@@ -18,6 +18,7 @@ one (``transaction_mode`` unset) is left to SQLite.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -75,8 +76,13 @@ class DatabaseWrapper(base.DatabaseWrapper):
     def _start_transaction_under_autocommit(self) -> None:
         if self.transaction_mode is None or self.transaction_mode == "DEFERRED":
             return super()._start_transaction_under_autocommit()
+        from dashboard.metrics import WRITE_TURN_SECONDS  # here: the module needs settings, this one imports without
+
         timeout = float(self.settings_dict["OPTIONS"].get("timeout", 5))
-        if not write_lock(self.settings_dict["NAME"]).acquire(timeout):
+        t0 = time.monotonic()
+        got = write_lock(self.settings_dict["NAME"]).acquire(timeout)
+        WRITE_TURN_SECONDS.observe(time.monotonic() - t0)  # on /metrics: how long the server's writers queue
+        if not got:
             raise OperationalError(f"database is locked: another thread of this process held its write transaction "
                                    f"for over {timeout:g} s")
         self._holds_write_lock = True
