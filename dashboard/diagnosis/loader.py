@@ -510,14 +510,15 @@ def _steps_and_losses(cluster_id: int, run_id: int, last_step: int,
     nums = ["rank", "step", _epoch(), *STEP_NUM[4:]]
     blank = ", ".join(["NULL"] * len(STEP_NUM[4:]))
     losses: list[np.ndarray] = []
+    one_rank, one_rank_params = m.of_rank_sql(loss_rank)
 
     def fetch(cond: str, params: list[Any], fresh: bool) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
         scope = "run_id = %s" if fresh else "run_id + 0 = %s"  # see held.read
         sql = (f"SELECT id, {', '.join(nums)}, 0, {_text('groups')}, NULL FROM {table} WHERE {scope} AND {cond} "
                f"UNION ALL SELECT id, rank, step, {_epoch()}, {blank}, 1, NULL, {_text('metrics')} FROM {table} "
-               f"WHERE run_id = %s AND {m.rank_group_sql()} = %s AND rank + 0 = %s AND step > %s")
+               f"WHERE run_id = %s AND {one_rank} AND step > %s")
         with _cursor() as cur:
-            cur.execute(sql, [run_id, *params, run_id, loss_rank // m.RANK_GROUP, loss_rank, last_step - LOSS_SPAN])
+            cur.execute(sql, [run_id, *params, run_id, *one_rank_params, last_step - LOSS_SPAN])
             rows = cur.fetchall()
         k = len(nums) + 2
         cells = _cells(rows, k + 2)

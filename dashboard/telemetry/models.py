@@ -345,9 +345,11 @@ class _NotAColumn(models.Func):
     output_field = models.IntegerField()
 
 
-def rank_group_sql(column: str = '"rank"') -> str:
-    """The same expression in raw SQL (the diagnosis pass's reads); the rank itself then as ``rank + 0 = ?``."""
-    return f"({column} / {RANK_GROUP})"
+def of_rank_sql(rank: int, column: str = "rank") -> tuple[str, list[int]]:
+    """:func:`of_rank` for raw SQL (the diagnosis pass's reads): its WHERE terms, written by the same two templates,
+    and their parameters."""
+    group, value = (f.template % {"expressions": column} for f in (RankGroup, _NotAColumn))
+    return f"{group} = %s AND {value} = %s", [rank // RANK_GROUP, rank]
 
 
 def of_rank(qs: models.QuerySet[Any], rank: int) -> models.QuerySet[Any]:

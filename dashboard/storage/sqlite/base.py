@@ -25,6 +25,8 @@ from typing import Any
 from django.db import OperationalError
 from django.db.backends.sqlite3 import base
 
+from dashboard.metrics import WRITE_TURN_SECONDS
+
 
 class FairLock:
     """A mutex handed to its waiters in arrival order (``threading.Lock`` lets the releasing thread take it again
@@ -71,31 +73,34 @@ def write_lock(name: str) -> FairLock:
 
 
 class DatabaseWrapper(base.DatabaseWrapper):
-    _holds_write_lock = False
+    _held: FairLock | None = None  # the write lock this connection's open transaction holds
 
     def _start_transaction_under_autocommit(self) -> None:
         if self.transaction_mode is None or self.transaction_mode == "DEFERRED":
             return super()._start_transaction_under_autocommit()
-        from dashboard.metrics import WRITE_TURN_SECONDS  # here: the module needs settings, this one imports without
-
+        lock = write_lock(self.settings_dict["NAME"])
         timeout = float(self.settings_dict["OPTIONS"].get("timeout", 5))
         t0 = time.monotonic()
-        got = write_lock(self.settings_dict["NAME"]).acquire(timeout)
+        got = lock.acquire(timeout)
         WRITE_TURN_SECONDS.observe(time.monotonic() - t0)  # on /metrics: how long the server's writers queue
         if not got:
             raise OperationalError(f"database is locked: another thread of this process held its write transaction "
                                    f"for over {timeout:g} s")
-        self._holds_write_lock = True
+        self._held = lock
         try:
             super()._start_transaction_under_autocommit()
         except BaseException:
             self._release_write_lock()
             raise
 
+    @property
+    def _holds_write_lock(self) -> bool:
+        return self._held is not None
+
     def _release_write_lock(self) -> None:
-        if self._holds_write_lock:
-            self._holds_write_lock = False
-            write_lock(self.settings_dict["NAME"]).release()
+        lock, self._held = self._held, None
+        if lock is not None:
+            lock.release()
 
     # Every way a transaction ends hands the lock on, whatever SQLite answered (a failed COMMIT is rolled back next,
     # which needs no lock; a closed connection has rolled back).
