@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from itertools import chain
 from typing import Any
 
 import msgspec
@@ -450,8 +451,12 @@ def _sqlite_datetime(value: datetime) -> str:
     return str(value.replace(tzinfo=None))
 
 
-def _per_row(adapt: Callable[[Any], Any]) -> Callable[[list[list[Any]], int], None]:
-    def column(rows: list[list[Any]], i: int) -> None:
+Memo = dict[Callable[[Any], Any], dict[int, tuple[Any, Any]]]  # adapter -> {id(value): (value, adapted)}
+Adapter = Callable[[list[list[Any]], int, Memo], None]
+
+
+def _per_row(adapt: Callable[[Any], Any]) -> Adapter:
+    def column(rows: list[list[Any]], i: int, memo: Memo) -> None:
         for row in rows:
             value = row[i]
             if value is not None:
@@ -459,19 +464,20 @@ def _per_row(adapt: Callable[[Any], Any]) -> Callable[[list[list[Any]], int], No
     return column
 
 
-def _per_object(adapt: Callable[[Any], Any]) -> Callable[[list[list[Any]], int], None]:
-    """Column ``i`` adapted once per distinct object: a node's GPUs, ranks and probes share one datetime per sample
-    (:func:`_collect_series`), and converting it row by row was a tenth of the embedded server's GIL-holding samples
-    at 512 nodes. Keyed by identity (a datetime's hash costs more than its id); the memo holds each key's object, so
-    no id is reused while it runs."""
-    def column(rows: list[list[Any]], i: int) -> None:
-        memo: dict[int, tuple[Any, Any]] = {}
+def _per_object(adapt: Callable[[Any], Any]) -> Adapter:
+    """Column ``i`` adapted once per distinct object: a node's GPUs, ranks, probes, host and ports share one datetime
+    per sample (:func:`_collect_series`), and converting it row by row was a tenth of the embedded server's
+    GIL-holding samples at 512 nodes. Keyed by identity (a datetime's hash costs more than its id) in ``memo``, which
+    the group's tables share (so each sample time is converted once, not once per table) and which holds each key's
+    object, so no id is reused while it lives."""
+    def column(rows: list[list[Any]], i: int, memo: Memo) -> None:
+        seen = memo.setdefault(adapt, {})
         for row in rows:
             value = row[i]
             if value is not None:
-                hit = memo.get(id(value))
+                hit = seen.get(id(value))
                 if hit is None:
-                    hit = memo[id(value)] = (value, adapt(value))
+                    hit = seen[id(value)] = (value, adapt(value))
                 row[i] = hit[1]
     return column
 
@@ -485,6 +491,10 @@ def _json_pg(value: Any) -> Any:
     from psycopg.types.json import Jsonb
 
     return None if value is None else Jsonb(value, dumps=_encode_json)
+
+
+# Rows per INSERT statement on SQLite (see _Table.insert).
+SQLITE_ROWS_PER_STATEMENT = 64
 
 
 class _Table:
@@ -503,12 +513,17 @@ class _Table:
         quote = connection.ops.quote_name
         columns = ", ".join(quote(f.column) for f in fields)
         self.copy = connection.vendor == "postgresql"
+        one = f"({', '.join(['%s'] * len(fields))})"
         self.sql = (f"COPY {quote(model._meta.db_table)} ({columns}) FROM STDIN (FORMAT BINARY)" if self.copy else
-                    f"INSERT INTO {quote(model._meta.db_table)} ({columns}) VALUES ({', '.join(['%s'] * len(fields))})")
+                    f"INSERT INTO {quote(model._meta.db_table)} ({columns}) VALUES {one}")
+        # SQLite: whole rows per statement (below SQLite's 32,766 bound values), see insert().
+        self.per_statement = max(1, min(SQLITE_ROWS_PER_STATEMENT, 32_766 // len(fields)))
+        self.sql_many = (f"INSERT INTO {quote(model._meta.db_table)} ({columns}) VALUES "
+                         f"{', '.join([one] * self.per_statement)}")
         # The columns' PostgreSQL types by name ("double precision", "varchar(64)" -> "varchar"), for the binary
         # dumpers: a Python int bound for a smallint column must be sent as one.
         self.types = [re.sub(r"\(.*", "", f.db_type(connection) or "") for f in fields]
-        self.adapt: list[tuple[int, Callable[[list[list[Any]], int], None]]] = []  # (column, its whole-column adapter)
+        self.adapt: list[tuple[int, Adapter]] = []  # (column, its whole-column adapter)
         if not self.copy:  # binary COPY takes dicts for jsonb and aware datetimes as they are
             for i, f in enumerate(fields):
                 if isinstance(f, models.JSONField):
@@ -516,8 +531,9 @@ class _Table:
                 elif isinstance(f, models.DateTimeField):
                     self.adapt.append((i, _per_object(_sqlite_datetime)))
 
-    def insert(self, cursor: Any, rows: list[list[Any]]) -> None:
-        """``cursor``: Django's, whose psycopg cursor writes JSON with msgspec (:func:`_insert_rows`)."""
+    def insert(self, cursor: Any, rows: list[list[Any]], memo: Memo | None = None) -> None:
+        """``cursor``: Django's, whose psycopg cursor writes JSON with msgspec (:func:`_insert_rows`). ``memo``: the
+        values already adapted, by object (shared by the tables of one group)."""
         if not rows:
             return
         if self.copy:
@@ -527,9 +543,19 @@ class _Table:
                 for row in rows:
                     write(row)
             return
+        memo = {} if memo is None else memo
         for i, adapt in self.adapt:
-            adapt(rows, i)
-        cursor.executemany(self.sql, rows)
+            adapt(rows, i, memo)
+        # Python's sqlite3 hands the GIL back around every sqlite3_step, that is per row of an executemany; while the
+        # event loop is busy (decoding the next posts) each hand-back can wait up to the switch interval (5 ms) to
+        # get it again. So a statement carries many rows: one hand-back per SQLITE_ROWS_PER_STATEMENT rows
+        # (benchmarks/sqlite_convoy.py: the rows a second a writer thread stores beside a busy thread).
+        k = self.per_statement
+        whole = len(rows) - len(rows) % k
+        if whole:
+            cursor.executemany(self.sql_many, [list(chain.from_iterable(rows[i:i + k])) for i in range(0, whole, k)])
+        if whole < len(rows):
+            cursor.executemany(self.sql, rows[whole:])
 
 
 _tables: dict[str, _Table] = {}
@@ -615,9 +641,10 @@ def _copy_cursor() -> Iterator[Any]:
 
 
 def _insert_rows(rows: Rows) -> None:
+    memo: Memo = {}
     with _copy_cursor() as cursor:
         for model, cols in SERIES:
-            _table(model, cols).insert(cursor, rows[model])
+            _table(model, cols).insert(cursor, rows[model], memo)
 
 
 def _copy_in(model: type[models.Model], cols: list[str], rows: list[list[Any]]) -> None:

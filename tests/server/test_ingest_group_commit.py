@@ -70,6 +70,30 @@ def test_a_group_answers_each_batch_as_if_it_came_alone(world: World) -> None:
     assert m.Gpu.objects.filter(node__cluster=world.cluster).count() == 3 * 2
 
 
+@pytest.mark.django_db
+def test_a_group_stores_every_row_with_its_own_values(world: World) -> None:
+    """SQLite takes a group's rows SQLITE_ROWS_PER_STATEMENT to an INSERT, the rest one by one: 23 nodes x 8 GPUs is
+    two whole statements and 56 rows over. Each row must land with its own values, none twice, none lost."""
+    from dashboard.ingest import writer
+
+    hosts = [f"node-{n:03d}" for n in range(23)]
+    batches = []
+    for n, host in enumerate(hosts):
+        batch = make_batch(seq=1, host=host)
+        batch["gpus"] = [{**batch["gpus"][0], "index": i, "uuid": f"GPU-{host}-{i}", "util_gpu_pct": n + i / 10,
+                          "mem_used_bytes": n * 1000 + i, "throttle_reasons": [f"r{n}"] if i == 3 else None}
+                         for i in range(8)]
+        batches.append(batch)
+    rows = 23 * 8
+    assert rows > 2 * writer.SQLITE_ROWS_PER_STATEMENT and rows % writer.SQLITE_ROWS_PER_STATEMENT
+    assert store_group([job(world, b) for b in batches]) == [Stored("accepted", 8 + 2)] * 23
+    got = sorted(m.GpuSample.objects.filter(cluster=world.cluster).values_list(
+        "node__hostname", "gpu_index", "util_gpu_pct", "mem_used_bytes", "throttle_reasons"))
+    assert got == sorted((host, i, n + i / 10, n * 1000 + i, [f"r{n}"] if i == 3 else None)
+                         for n, host in enumerate(hosts) for i in range(8))
+    assert m.StepSample.objects.filter(cluster=world.cluster).count() == 23 * 2
+
+
 def meta(rank: int, host: str, **extra: Any) -> dict[str, Any]:
     return {"run": "run-9", "rank": rank, "world_size": 4, "ts": time.time(), "host": host, "local_rank": rank % 2,
             "gpu_index": rank % 2, "env": {"NCCL_IB_TIMEOUT": "22"}, "peak_flops": 989e12, **extra}
