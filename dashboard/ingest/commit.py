@@ -210,9 +210,13 @@ def reset() -> None:
         old.stop()
 
 
-def submit(cluster: m.Cluster, batch: dict[str, Any], digest: str) -> Future[Stored]:
-    """Store the batch: through the group writer, or inline when the caller is inside a transaction already."""
-    if connection.in_atomic_block:
+def submit(cluster: m.Cluster, batch: dict[str, Any], digest: str, *, in_loop: bool = False) -> Future[Stored]:
+    """Store the batch: through the group writer, or inline when the caller is inside a transaction already.
+
+    ``in_loop``: called in the event loop, where no transaction is ever open. There even asking would cost: asgiref
+    gives every request's task a context of its own, and Django a new database wrapper per context (~15 µs and a
+    dozen objects in reference cycles, left to the cyclic collector, per post)."""
+    if not in_loop and connection.in_atomic_block:
         future: Future[Stored] = Future()
         try:
             future.set_result(store_batch(cluster, batch, digest))

@@ -159,7 +159,7 @@ def begin(headers: Mapping[str, str], body: bytes | None, limit: int,
         interval = send_interval(cluster.id) if in_loop is None else in_loop[1]
         # Producers resend a batch byte for byte (the agent its spooled body): the same seq with other bytes is a
         # reused seq. The body's hash costs 1/50 of validating it; a canonical re-encoding would cost half as much.
-        future = commit.submit(cluster, batch, hashlib.sha256(body).hexdigest())
+        future = commit.submit(cluster, batch, hashlib.sha256(body).hexdigest(), in_loop=in_loop is not None)
     except commit.Busy:
         return _busy(interval)
     except DatabaseError as exc:
