@@ -98,18 +98,24 @@ def login_cookie(base: str, user: str, password: str) -> str:
         return "; ".join(f"{k}={v}" for k, v in client.cookies.items())
 
 
-def watch(base: str, cookie: str, cluster_id: int, stop: threading.Event, lat: list[float]) -> None:
+def watch(base: str, cookie: str, cluster_id: int, stop: threading.Event, lat: list[float],
+          failed: list[str]) -> None:
+    """Like a browser on the cluster's page; ``failed`` gets why it stopped early (a closed socket, a bad frame), so a
+    run whose watcher died says so instead of printing the few latencies it saw."""
     port = base.rsplit(":", 1)[1]
-    with connect(f"ws://127.0.0.1:{port}/ws/live/?cluster={cluster_id}",
-                 additional_headers={"Cookie": cookie, "Origin": base}, max_size=2**26) as ws:
-        ws.recv(timeout=10)  # snapshot
-        while not stop.is_set():
-            try:
-                frame = json.loads(ws.recv(timeout=1))
-            except TimeoutError:
-                continue
-            now = time.time()
-            lat.extend(now - row[2] for row in frame.get("gpus", []))
+    try:
+        with connect(f"ws://127.0.0.1:{port}/ws/live/?cluster={cluster_id}",
+                     additional_headers={"Cookie": cookie, "Origin": base}, max_size=2**26) as ws:
+            ws.recv(timeout=10)  # snapshot
+            while not stop.is_set():
+                try:
+                    frame = json.loads(ws.recv(timeout=1))
+                except TimeoutError:
+                    continue
+                now = time.time()
+                lat.extend(now - row[2] for row in frame.get("gpus", []))
+    except Exception as exc:
+        failed.append(f"{time.strftime('%H:%M:%S')} {exc!r}")
 
 
 class ServerWatch(threading.Thread):
@@ -349,7 +355,7 @@ def main() -> int:
     server = subprocess.Popen([sys.executable, "-m", "clusterdx", "server", "--port", str(port),
                                "--workers", str(args.workers)], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     prefix = f"bench{os.getpid()}"
-    stop, browser_lat = threading.Event(), []
+    stop, browser_lat, watch_failed = threading.Event(), [], []
     me = psutil.Process()
     try:
         if not wait_for_server(base, 90):
@@ -384,7 +390,8 @@ def main() -> int:
         if late > 0:
             print(f"!! the build overran by {late:.1f} s: the first posts are that late", flush=True)
 
-        watcher = threading.Thread(target=watch, args=(base, cookie, cluster_id, stop, browser_lat), daemon=True)
+        watcher = threading.Thread(target=watch, args=(base, cookie, cluster_id, stop, browser_lat, watch_failed),
+                                   daemon=True)
         watcher.start()
         server_watch = ServerWatch(server.pid)
         server_watch.start()
@@ -439,6 +446,8 @@ def main() -> int:
           f"p99 {1000 * pct(lat, 99):.0f} ms  max {1000 * max(lat, default=0):.0f} ms")
     print(f"sample-to-browser: p50 {1000 * pct(browser_lat, 50):.0f} ms  p99 {1000 * pct(browser_lat, 99):.0f} ms "
           f"({len(browser_lat):,} GPU rows seen)")
+    for why in watch_failed:
+        print(f"!! the websocket watcher stopped early: {why}")
     node_s = max(1, res.accepted_node_s)
     print(f"server CPU: {1000 * (cpu1 - cpu0) / node_s:.2f} ms per accepted node-second "
           f"({100 * (cpu1 - cpu0) / wall:.0f}% of one core over {wall:.0f} s); peak RSS "

@@ -9,12 +9,36 @@ import contextlib
 import importlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import close_old_connections
 
 log = logging.getLogger(__name__)
+
+# The embedded scheduler's jobs run on a thread of their own, one at a time. Not on asgiref's thread-sensitive thread:
+# every sync Django view and every websocket consumer's query waits for that one thread, and a job queued for its
+# turn at the write lock behind the ingest writer (alert planning: one transaction per finding, each behind a group
+# of hundreds of batches) held the pages and the live frames with it (the ingest benchmark's watcher at 2,048 nodes
+# got no frame for 20 s). Writers still take turns: dashboard.storage.sqlite queues the process's write transactions.
+JOBS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scheduler")
+
+
+def _job(fn: Callable[..., Any], *args: Any) -> Any:
+    close_old_connections()  # as Django does around a request: a connection that broke or expired is replaced
+    try:
+        return fn(*args)
+    finally:
+        close_old_connections()
+
+
+def in_jobs_thread(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+    """``fn`` as a coroutine function run on the scheduler's thread (its broadcasts reach this event loop)."""
+    run = sync_to_async(_job, thread_sensitive=False, executor=JOBS)
+    return lambda *args: run(fn, *args)
 
 
 # Tasks with an embedded runner of their own: an async function the loop awaits instead of running the task in the
@@ -37,8 +61,8 @@ async def run_schedule(schedule: dict[str, tuple[str, float]]) -> None:
         try:
             if path in EMBEDDED_RUNNERS:
                 await _resolve(EMBEDDED_RUNNERS[path])()
-            else:  # thread_sensitive: one thread for all DB work, like the ingest views, so SQLite sees one writer.
-                await sync_to_async(_resolve(path), thread_sensitive=True)()
+            else:
+                await in_jobs_thread(_resolve(path))()
         except Exception:  # a task that raises is logged and rescheduled, never kills the loop
             log.exception("embedded scheduler: %s failed", name)
         due[name] += every

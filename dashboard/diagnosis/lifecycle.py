@@ -47,17 +47,22 @@ def _plain(value: Any) -> Any:
 
 
 def reconcile(cluster: Cluster, detections: list[Detection], now: datetime) -> Changes:
+    """The transaction holds the database's write lock (on the embedded default, the one lock the ingest writer needs
+    too), so whatever need not be in it is done before (each detection's evidence as plain JSON, the node and run ids)
+    or after it (the browsers' rows): at 2,048 nodes with every node named it held the lock 2 s a pass, the writer
+    waiting behind it."""
     changes = Changes()
+    evidence = [_plain(d.evidence) for d in detections]
+    refs = _refs(cluster, detections)
     with transaction.atomic():
         open_rows = {(f.kind, f.subject): f for f in
                      Finding.objects.select_for_update().filter(cluster=cluster, state=Finding.State.OPEN)}
-        refs = _refs(cluster, detections)
-        for d in detections:
+        for d, plain in zip(detections, evidence, strict=True):
             f = open_rows.pop(d.key, None)
             if f is None:
-                changes.opened.append(_open(cluster, d, now, refs))
+                changes.opened.append(_open(cluster, d, now, refs, plain))
             else:
-                _refresh(f, d, now, changes)
+                _refresh(f, d, now, changes, plain)
         for f in open_rows.values():
             _clear(f, now, changes)
         _notify(cluster.id, changes)
@@ -71,19 +76,19 @@ def _refs(cluster: Cluster, detections: list[Detection]) -> dict[str, dict[str, 
             "run": dict(Run.objects.filter(cluster=cluster, name__in=runs).values_list("name", "id"))}
 
 
-def _open(cluster: Cluster, d: Detection, now: datetime, refs: dict[str, dict[str, int]]) -> Finding:
+def _open(cluster: Cluster, d: Detection, now: datetime, refs: dict[str, dict[str, int]], evidence: Any) -> Finding:
     return Finding.objects.create(
         cluster=cluster, run_id=refs["run"].get(d.run or ""), kind=d.kind, subject_type=d.subject_type,
         subject=d.subject[:300], node_id=refs["node"].get(d.node or ""), peer_node_id=refs["node"].get(d.peer_node or ""),
         gpu_index=d.gpu_index, rank=d.rank, severity=d.severity, title=d.title[:300], action=d.action,
-        confidence=d.confidence, evidence=_plain(d.evidence), opened_at=now, updated_at=now, last_seen_at=now)
+        confidence=d.confidence, evidence=evidence, opened_at=now, updated_at=now, last_seen_at=now)
 
 
-def _refresh(f: Finding, d: Detection, now: datetime, changes: Changes) -> None:
+def _refresh(f: Finding, d: Detection, now: datetime, changes: Changes, evidence: Any) -> None:
     escalated = SEVERITY_RANK[d.severity] > SEVERITY_RANK.get(f.severity, 0)
     visible = escalated or d.severity != f.severity or d.title[:300] != f.title
     f.severity, f.title, f.action, f.confidence = d.severity, d.title[:300], d.action, d.confidence
-    f.evidence, f.last_seen_at, f.clear_passes = _plain(d.evidence), now, 0
+    f.evidence, f.last_seen_at, f.clear_passes = evidence, now, 0
     if visible:
         f.updated_at = now
         (changes.escalated if escalated else changes.updated).append(f)
@@ -103,10 +108,13 @@ def _clear(f: Finding, now: datetime, changes: Changes) -> None:
 def _notify(cluster_id: int, changes: Changes) -> None:
     from dashboard.diagnosis.silences import mark
 
-    rows = mark([finding_row(f) for f in changes.visible])  # one query, only in a pass that changed something
-    if rows:
-        transaction.on_commit(
-            lambda: broadcast(cluster_group(cluster_id), {"type": "findings", "cluster": cluster_id, "findings": rows}))
+    visible = changes.visible
+    if visible:
+        def send() -> None:  # after the commit, out of the write lock: the rows and their silences (one query)
+            rows = mark([finding_row(f) for f in visible])
+            broadcast(cluster_group(cluster_id), {"type": "findings", "cluster": cluster_id, "findings": rows})
+
+        transaction.on_commit(send)
     for event, found in (("opened", changes.opened), ("escalated", changes.escalated),
                          ("resolved", changes.resolved)):
         for f in found:

@@ -27,8 +27,6 @@ from concurrent.futures.process import BrokenProcessPool
 from datetime import UTC, datetime
 from typing import Any
 
-from asgiref.sync import sync_to_async
-
 from dashboard import metrics
 from dashboard.diagnosis.detectors import Detection, Thresholds
 
@@ -134,9 +132,10 @@ async def diagnose() -> dict[str, float]:
     from dashboard.diagnosis.lifecycle import reconcile
     from dashboard.diagnosis.tasks import active_clusters, due, paced, thresholds
     from dashboard.live.state import get_state
+    from dashboard.scheduler import in_jobs_thread
 
     now = time.time()
-    clusters = await sync_to_async(active_clusters, thread_sensitive=True)(now)
+    clusters = await in_jobs_thread(active_clusters)(now)
     t = thresholds()
     took: dict[str, float] = {}
     loop = asyncio.get_running_loop()
@@ -148,8 +147,7 @@ async def diagnose() -> dict[str, float]:
         try:
             detections, _, _ = await loop.run_in_executor(executor, _child_detect, cluster.id, now, t,
                                                           get_state().beats(cluster.id))
-            await sync_to_async(reconcile, thread_sensitive=True)(cluster, detections,
-                                                                  datetime.fromtimestamp(now, tz=UTC))
+            await in_jobs_thread(reconcile)(cluster, detections, datetime.fromtimestamp(now, tz=UTC))
         except BrokenProcessPool:
             log.error("diagnosis process died during the pass for cluster %s; a new one starts", cluster.name)
             _discard(executor)

@@ -213,3 +213,43 @@ def test_a_long_pass_rests_in_proportion_before_the_next(settings: Any) -> None:
     assert tasks.due(987_654)
     tasks.paced(987_654, 0.0)  # a quick pass keeps the schedule's own cadence
     assert tasks.due(987_654)
+
+
+def test_a_cluster_that_goes_quiet_all_at_once_is_one_finding_not_one_per_node(
+        world: World, client: Any, django_capture_on_commit_callbacks: Any, monkeypatch: Any) -> None:
+    """What a server whose ingest fell behind, or that lost its network to the nodes, sees: every node's data stops
+    at once. Not eight node_down findings (and alerts), but one for the cluster, whose page plots the cliff."""
+    from django.db import connection
+
+    from dashboard.diagnosis import silences
+
+    feed = Feed(world, [])
+    assert feed.run(12) == []
+    depths: list[int] = []
+    real_mark = silences.mark
+
+    def mark(rows: Any, *args: Any) -> Any:  # the browsers' rows: built after the commit, out of the write lock
+        depths.append(len(connection.savepoint_ids))
+        return real_mark(rows, *args)
+
+    monkeypatch.setattr(silences, "mark", mark)
+    outside = len(connection.savepoint_ids)  # the test's own transaction; reconcile's atomic would add one
+    opened = []
+    for k in range(1, 21):  # the data stops; passes go on
+        with django_capture_on_commit_callbacks(execute=True):
+            res = run_pass(feed.cluster, feed.t0 + feed.t + k)
+        opened += [(k, f.kind, f.subject) for f in res.changes.opened]
+    assert [(kind, subject) for _, kind, subject in opened] == [("cluster_silent", "cluster")], opened
+    assert opened[0][0] == 15  # heartbeat_s after the last word
+    assert depths and set(depths) == {outside}
+    f = Finding.objects.get(kind="cluster_silent")
+    assert f.subject_type == "cluster" and f.node_id is None and "all 8 nodes" in f.title
+    client.force_login(world.teammate)
+    body = client.get(f"/api/v1/findings/{f.id}").json()
+    assert body["finding"]["headline"] == "silent 20 s, all 8 nodes"  # refreshed by each pass since
+    panel = body["chart"]["panels"][0]
+    assert panel["id"] == "heard" and panel["direction"] == "below"
+    ys = next(s for s in panel["series"] if s["role"] == "subject")["y"]
+    assert ys[0] == 8 and ys[-1] == 0 and panel["breach"]["over"] is True
+    page = client.get(f"/findings/{f.id}/")
+    assert page.status_code == 200 and b"no node of the cluster heard" in page.content
