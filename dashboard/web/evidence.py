@@ -597,6 +597,19 @@ def _node_down(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str
     return out
 
 
+def _cluster_silent(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    """From the evidence alone: how many of the cluster's nodes were still heard, second by second, up to the pass
+    that named the silence (when the data stops, there is nothing newer to read)."""
+    heard = ((f.evidence or {}).get("series") or {}).get("heard") or {}
+    xs, ys = heard.get("t") or [], heard.get("nodes") or []
+    if not xs or len(xs) != len(ys):
+        return []
+    nodes = ((f.evidence or {}).get("metrics") or {}).get("nodes")
+    return [panel("heard", "Nodes of the cluster heard from since each second", "time", "nodes",
+                  [line("nodes heard", "subject", em.clean(xs, 3), ys)],
+                  const(f"all {nodes} nodes", nodes, xs), direction="below", window=evidence_window(f))]
+
+
 # -- NCCL --------------------------------------------------------------------------------------------------------
 
 def _nccl(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
@@ -631,6 +644,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "failing_gpu": ("sbe_min", "sbe_samples", "pcie_replay_min", "nvlink_errors_min"),
     "throttling": ("clock_ratio", "throttle_s", "throttle_with_rank_s", "busy_util_pct"),
     "node_down": ("silent_min_s", "silent_intervals", "heartbeat_s", "probe_loss_frac", "probe_lost_rounds"),
+    "cluster_silent": ("silent_min_s", "silent_intervals", "heartbeat_s"),
     "rank_down": ("beat_silent_s", "beat_suspect_s"), "hang": ("hang_steps", "hang_min_s"),
     "nccl_config": ("ib_timeout_min", "ib_timeout_scale_ranks"), "congestion": (),
     "checkpoint_overdue": ("ckpt_slack_steps", "ckpt_slack_frac", "ckpt_max_age_s", "gpu_hour_usd"),
@@ -639,7 +653,8 @@ PARAMS: dict[str, tuple[str, ...]] = {
 
 BUILDERS: dict[str, Callable[[Finding, Thresholds, float, float], list[dict[str, Any]]]] = {
     "data_starvation": _starvation, "straggler": _late_panels, "slow_link": _slow_link,
-    "failing_gpu": _failing_gpu, "throttling": _throttling, "node_down": _node_down, "rank_down": _stall,
+    "failing_gpu": _failing_gpu, "throttling": _throttling, "node_down": _node_down,
+    "cluster_silent": _cluster_silent, "rank_down": _stall,
     "hang": _stall, "nccl_config": _nccl, "checkpoint_overdue": _checkpoint, "memory_pressure": _memory,
     "efficiency": _efficiency, "congestion": _congestion,
 }

@@ -83,6 +83,12 @@ def _node_down(m: dict[str, Any], e: dict[str, Any]) -> str:
                  f"probe loss {loss:.0%}" if loss is not None else None, f"{ranks} rank(s) stopped" if ranks else None)
 
 
+def _cluster_silent(m: dict[str, Any], e: dict[str, Any]) -> str:
+    silent, nodes = _num(m.get("silent_s")), _num(m.get("nodes"))
+    return _join(f"silent {silent:.0f} s" if silent is not None else None,
+                 f"all {nodes:,.0f} nodes" if nodes is not None else None)
+
+
 def _stall(m: dict[str, Any], e: dict[str, Any]) -> str:
     stalled, med = _num(m.get("stalled_s")), _num(m.get("median_step_s"))
     silent = _num(m.get("silent_s"))
@@ -120,7 +126,8 @@ def _efficiency(m: dict[str, Any], e: dict[str, Any]) -> str:
 
 LINES: dict[str, Callable[[dict[str, Any], dict[str, Any]], str]] = {
     "straggler": _straggler, "data_starvation": _starvation, "throttling": _throttling, "failing_gpu": _failing_gpu,
-    "slow_link": _slow_link, "node_down": _node_down, "rank_down": _stall, "hang": _stall, "memory_pressure": _memory,
+    "slow_link": _slow_link, "node_down": _node_down, "cluster_silent": _cluster_silent, "rank_down": _stall,
+    "hang": _stall, "memory_pressure": _memory,
     "checkpoint_overdue": _checkpoint, "nccl_config": _nccl, "efficiency": _efficiency,
 }
 

@@ -145,6 +145,8 @@ def test_headline_picks_the_key_metric_per_kind() -> None:
                                                        "steps_since": 900}}).startswith("$1,234 at risk")
     assert headline("hang", {"metrics": {"stalled_s": 40, "median_step_s": 2.0}}) == \
         "no step for 40 s (20× the median step)"
+    assert headline("cluster_silent", {"metrics": {"silent_s": 20.4, "nodes": 2048, "ranks": ["a/rank0"]}}) == \
+        "all 2,048 nodes silent 20 s, 1 rank(s) of running jobs on them"
     assert headline("unknown_kind", {"metrics": {"a": 1, "b": "x", "c": [1]}}) == "a 1, b x"
     assert headline("straggler", {"metrics": {"compute_s": "bad", "median_compute_s": None}}) == "compute_s bad"
 

@@ -8,19 +8,21 @@ the straggler is reported once, as the straggler, with the throttle as the evide
 
 from __future__ import annotations
 
+import dataclasses
+
 from dashboard.diagnosis.detectors.base import Detection, Thresholds
 from dashboard.diagnosis.detectors.congestion import congestion
 from dashboard.diagnosis.detectors.gpu import failing_gpus, throttling
 from dashboard.diagnosis.detectors.groups import exposed_comm, late_in_groups
 from dashboard.diagnosis.detectors.loss import loss_spikes
 from dashboard.diagnosis.detectors.nccl import nccl_config
-from dashboard.diagnosis.detectors.network import nodes_down, slow_links
+from dashboard.diagnosis.detectors.network import cluster_silence, nodes_down, slow_links
 from dashboard.diagnosis.detectors.paths import covered_nodes, slow_paths
 from dashboard.diagnosis.detectors.steps import checkpoint_risk, efficiency, hang, late_ranks, memory_pressure
 from dashboard.diagnosis.detectors.window import Window
 
-KINDS = ("data_starvation", "straggler", "slow_link", "failing_gpu", "throttling", "node_down", "rank_down", "hang",
-         "nccl_config", "congestion",
+KINDS = ("data_starvation", "straggler", "slow_link", "failing_gpu", "throttling", "node_down", "cluster_silent",
+         "rank_down", "hang", "nccl_config", "congestion",
          "checkpoint_overdue", "memory_pressure", "efficiency", "exposed_comm", "loss_spike")
 
 __all__ = ["KINDS", "Detection", "Thresholds", "Window", "run_all"]
@@ -58,6 +60,9 @@ def _excused(w: Window, down: list[Detection], gpus: list[Detection]) -> dict[st
 def run_all(w: Window, t: Thresholds | None = None) -> list[Detection]:
     t = t or Thresholds()
     ranks_on, rank_gpus = _active_ranks(w)
+    freshest, silence = cluster_silence(w, t, ranks_on)
+    if freshest is not None:  # the whole cluster is silent: the rest is judged as of its last word
+        w = dataclasses.replace(w, now=freshest)
     down = nodes_down(w, t, ranks_on)
     gpus = failing_gpus(w, t)
     excused = _excused(w, down, gpus)
@@ -90,6 +95,8 @@ def run_all(w: Window, t: Thresholds | None = None) -> list[Detection]:
     out += nccl_config(w, t)
     out += checkpoint_risk(w, t)
     out += efficiency(w, t)
+    if silence is not None:
+        out.append(silence)
     seen: dict[tuple[str, str], Detection] = {}
     for d in out:
         seen.setdefault(d.key, d)

@@ -111,6 +111,53 @@ def nodes_down(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) -> list
     return out
 
 
+def cluster_silence(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) -> tuple[float | None,
+                                                                                    Detection | None]:
+    """When every node of a cluster of two or more is silent, the time the freshest of them was last heard, and the
+    one finding that says so once that is ``heartbeat_s`` ago; (None, None) otherwise.
+
+    Nodes do fail together (a rack's power, the network between them and this server), but when *all* of a
+    cluster's data stops at once the likelier cause is on this side: the server's ingest is behind (every batch
+    still queued, accepted later) or cut off from the nodes. Measured against the server's clock, all 2,048 nodes of
+    an ingest benchmark whose server fell 20 s behind were "down", and the findings' storm (each opened, reconciled,
+    planned for alerts) slowed ingest further. So the caller judges the rest of the window as of the freshest word
+    (``now`` moved back to it: a node is silent against the nodes that are heard), and the cluster's silence is one
+    finding, with the nodes' last words as its evidence."""
+    heard = w.last_heard
+    if len(heard) < 2:
+        return None, None  # one node's silence is that node's
+    freshest = max(heard.values())
+    intervals = report_intervals(w)
+    index = w.node_index()
+    # Silent: past the least of the nodes' limits, so that every node is past its own.
+    limit = min(max(t.silent_min_s, t.silent_intervals * intervals.get(index.get(h, -1), 1.0)) for h in heard)
+    silent = w.now - freshest
+    if silent < limit:
+        return None, None
+    if silent < t.heartbeat_s:
+        return freshest, None
+    ranks = sorted(r for h in heard for r in ranks_on.get(h, []))
+    # How many nodes were still heard at each second before the silence: a cliff (all at once) points at this
+    # server's side or a shared network; a slope at the nodes going one by one.
+    ages = np.sort(np.asarray(list(heard.values())))
+    ticks = freshest + np.arange(-60.0, min(silent, 60.0) + 1e-9, 1.0)  # the minute before, up to one after
+    still = len(ages) - np.searchsorted(ages, ticks, side="left")
+    title = f"no node of the cluster heard for {silent:.0f} s (all {len(heard)} nodes)"
+    if ranks:
+        title += f"; {len(ranks)} rank(s) of running jobs with them"
+    action = ("If the nodes are up, this server is not receiving or not storing their batches: check its ingest on "
+              "/metrics (clusterdx_ingest_queue_batches, clusterdx_ingest_commit_seconds, refused batches), its log, "
+              "and the network between the nodes and it (the agents' logs say whether their posts fail). If they are "
+              "down together, look for what they share: power, the management network, the scheduler draining them.")
+    return freshest, Detection(
+        "cluster_silent", "cluster", "cluster", "critical" if ranks else "error", title, action,
+        {"metrics": {"silent_s": rnd(silent, 1), "last_heard": rnd(freshest), "nodes": len(heard),
+                     "earliest_heard_ts": rnd(float(ages[0])), "ranks": ranks[:64]},
+         "series": {"heard": {"t": [rnd(float(x)) for x in ticks], "nodes": [int(n) for n in still]}},
+         "window": [rnd(freshest), rnd(w.now)]},
+        0.9)
+
+
 # Two bulk transfers into one node that end this close together ran at the same time and shared its link: each
 # measured a share of it, which says nothing about the path (agents started together probe in step, so on eight
 # nodes with a transfer each second this happened every few seconds). A rate-limited path slows a lone transfer too.

@@ -233,6 +233,9 @@ def _headline_network(kind: str, m: dict[str, Any]) -> str | None:
         loss = f", peers lose {_pct(m['probe_loss'])} of probes" if m.get("probe_loss") is not None else ""
         ranks = f", {len(m['ranks'])} rank(s) stopped" if m.get("ranks") else ""
         return f"silent {float(m['silent_s']):.0f} s{loss}{ranks}"
+    if kind == "cluster_silent" and _have(m, "silent_s", "nodes"):
+        ranks = f", {len(m['ranks'])} rank(s) of running jobs on them" if m.get("ranks") else ""
+        return f"all {int(m['nodes']):,} nodes silent {float(m['silent_s']):.0f} s{ranks}"
     if kind == "slow_link":
         if m.get("port"):
             errs = ", ".join(f"{k} {v}" for k, v in sorted((m.get("errors") or {}).items())[:2])
