@@ -31,6 +31,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -558,6 +559,7 @@ def one_scale(nodes: int, args: argparse.Namespace, overrides: dict[str, list[st
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait(10)
+        shutil.rmtree(data_dir, ignore_errors=True)  # the embedded database of a few minutes' feed
     print(f"  ingest while measuring: {ingest}", flush=True)
     return {"nodes": nodes, "ingest": ingest, "loads": [vars(x) for x in loads]}
 

@@ -22,11 +22,13 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import sqlite3
 import statistics
 import sys
 import tempfile
 import time
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,8 +43,10 @@ LAYOUTS: dict[str, dict[str, tuple[list[str], list[str]]]] = {
 }
 
 
+@cache
 def schema(table: str) -> tuple[str, list[str]]:
-    """The table's CREATE TABLE and CREATE INDEX statements, as the migrations make them."""
+    """The table's CREATE TABLE and CREATE INDEX statements, as the migrations make them (in a temporary database,
+    removed once they are read; once per process: Django is set up for that database)."""
     os.environ["CLUSTERDX_DATA_DIR"] = tempfile.mkdtemp(prefix="cdx-idx-")
     os.environ.pop("DATABASE_URL", None)
     os.environ["DJANGO_SETTINGS_MODULE"] = "dashboard.settings"
@@ -56,6 +60,8 @@ def schema(table: str) -> tuple[str, list[str]]:
     with connection.cursor() as cursor:
         cursor.execute("SELECT type, sql FROM sqlite_master WHERE tbl_name = %s AND sql IS NOT NULL", [table])
         rows = cursor.fetchall()
+    connection.close()
+    shutil.rmtree(os.environ["CLUSTERDX_DATA_DIR"], ignore_errors=True)  # only its statements were wanted
     return next(sql for kind, sql in rows if kind == "table"), [sql for kind, sql in rows if kind == "index"]
 
 
