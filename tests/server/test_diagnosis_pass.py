@@ -240,7 +240,9 @@ def test_a_cluster_that_goes_quiet_all_at_once_is_one_finding_not_one_per_node(
             res = run_pass(feed.cluster, feed.t0 + feed.t + k)
         opened += [(k, f.kind, f.subject) for f in res.changes.opened]
     assert [(kind, subject) for _, kind, subject in opened] == [("cluster_silent", "cluster")], opened
-    assert opened[0][0] == 15  # heartbeat_s after the last word
+    # heartbeat_s (15 s) after the last word: at 15, or at 16 when the float seconds since a wall-clock start
+    # (feed.t0 = time.time() - 300) come out a hair under 15 at the pass of 15
+    assert opened[0][0] in (15, 16), opened
     assert depths and set(depths) == {outside}
     f = Finding.objects.get(kind="cluster_silent")
     assert f.subject_type == "cluster" and f.node_id is None and "all 8 nodes" in f.title
