@@ -127,11 +127,13 @@ def cluster_silence(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) ->
     if len(heard) < 2:
         return None, None  # one node's silence is that node's
     freshest = max(heard.values())
+    silent = w.now - freshest
+    if silent < t.silent_min_s:  # every limit is at least this: the usual pass stops here, before nodes_down's sort
+        return None, None
     intervals = report_intervals(w)
     index = w.node_index()
     # Silent: past the least of the nodes' limits, so that every node is past its own.
     limit = min(max(t.silent_min_s, t.silent_intervals * intervals.get(index.get(h, -1), 1.0)) for h in heard)
-    silent = w.now - freshest
     if silent < limit:
         return None, None
     if silent < t.heartbeat_s:
