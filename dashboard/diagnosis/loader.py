@@ -204,6 +204,7 @@ def load_window(cluster: m.Cluster, now: float, beats: list[dict[str, Any]] | No
     w = Window(now=now, nodes=hostnames, steps=steps, gpus=gpus, ports=ports, probes=probes,
                events=_events(cluster.id, now), hosts=_hosts(cluster.id, now, by_id, hostnames, runs), runs=runs,
                last_heard={}, interconnect=cluster.nccl_interconnect(), gpu_bus=_gpu_bus(cluster), span=dict(SPANS))
+    w.ingest_delay, w.ingest_lag_s = _ingest_delays(cluster.id, now, len(nodes_rows))
     w.last_heard = _last_heard(w, nodes_rows, index, now)
     w.beats = get_state().beats(cluster.id) if beats is None else beats
     w.nccl_state = _nccl_state(cluster.id, runs)
@@ -553,6 +554,26 @@ def _gpu_bus(cluster: m.Cluster) -> dict[tuple[str, str], int]:
     return out
 
 
+INGEST_DELAY_SPAN_S = 60.0  # the batches received this long before the pass say how late batches arrive now
+
+
+def _ingest_delays(cluster_id: int, now: float, nodes: int) -> tuple[dict[str, float], float]:
+    """host -> seconds from ``sent_at`` to arrival of its newest batch among the cluster's latest arrivals, and the
+    median of those: how far behind this server receives (see ``network.arrival_slack``).
+
+    The newest two batches a node, at most, along the (cluster, received_at) index, backwards: a few thousand rows
+    at 2,048 nodes. A node whose last batch is older than those gets the median, the cluster's lag; a node replaying
+    its spool (hours-old ``sent_at``) lifts only its own delay. Negative delays (a clock a little ahead) count as 0."""
+    rows = (m.AgentBatch.objects.filter(cluster_id=cluster_id, received_at__gt=_dt(now - INGEST_DELAY_SPAN_S),
+                                        received_at__lte=_dt(now), sent_at__isnull=False)
+            .order_by("-received_at").values_list("host", "received_at", "sent_at")[:max(64, 2 * nodes)])
+    delays: dict[str, float] = {}
+    for host, received, sent in rows:
+        if host not in delays:
+            delays[host] = max(0.0, (received - sent).total_seconds())
+    return delays, float(np.median(list(delays.values()))) if delays else 0.0
+
+
 def _last_heard(w: Window, nodes_rows: list[tuple[Any, ...]], index: dict[str, int], now: float) -> dict[str, float]:
     """host -> newest timestamp it sent, for every node with an agent heard from in the last day."""
     newest = np.full(len(w.nodes), -np.inf)
@@ -572,6 +593,9 @@ def _last_heard(w: Window, nodes_rows: list[tuple[Any, ...]], index: dict[str, i
             if not agent_id or agent_id.startswith("hook-") or last_seen is None or \
                     last_seen < _dt(now) - timedelta(seconds=EXPECTED_NODE_S):
                 continue
-            heard = min(last_seen.timestamp(), now - SPANS["gpus"])
+            # last_seen is when its last batch arrived (this server's clock): as of the node's own clock, that
+            # batch's delay earlier, as the silence of the nodes heard in the window is measured.
+            late = max(w.ingest_lag_s, w.ingest_delay.get(host, 0.0))
+            heard = min(last_seen.timestamp() - late, now - SPANS["gpus"])
         out[host] = heard
     return out

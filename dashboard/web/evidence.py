@@ -583,10 +583,13 @@ def _node_down(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str
     xs = em.ticks(t0, t1, POINTS)
     xl, win = em.clean(xs, 3), evidence_window(f)
     limit = max(t.silent_min_s, t.silent_intervals * em.median_interval(heard))
+    # The heartbeat line as the detector drew it: plus the seconds its batches took to arrive, when they were late.
+    late = float(((f.evidence or {}).get("metrics") or {}).get("ingest_delay_s") or 0.0)
+    beat = f"heartbeat_s {t.heartbeat_s:g}" + (f" + {late:g} s arrival delay" if late >= 1.0 else "")
     out = [panel("silence", f"Seconds since {f.node.hostname} was last heard from{source}", "time", "silent for (s)",
                  [line("heartbeat gap", "subject", xl, em.silence(heard, xs))],
                  const(f"silent limit {limit:g} s (with probe loss)", limit, xl)
-                 + const(f"heartbeat_s {t.heartbeat_s:g}", t.heartbeat_s, xl), window=win)]
+                 + const(beat, t.heartbeat_s + (late if late >= 1.0 else 0.0), xl), window=win)]
     loss_qs = Probe.objects.filter(cluster_id=f.cluster_id, peer=f.node.hostname).annotate(
         loss=Cast(F("lost"), FloatField()) / NullIf(Cast(F("sent"), FloatField()), 0.0))
     got = downsample(loss_qs, TimeRange(t0, t1, POINTS), ["loss"]).get("")
@@ -643,7 +646,8 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "slow_link": ("rtt_ratio", "rtt_abs_ms", "loss_frac", "bw_ratio", "node_bad_frac", "port_error_samples"),
     "failing_gpu": ("sbe_min", "sbe_samples", "pcie_replay_min", "nvlink_errors_min"),
     "throttling": ("clock_ratio", "throttle_s", "throttle_with_rank_s", "busy_util_pct"),
-    "node_down": ("silent_min_s", "silent_intervals", "heartbeat_s", "probe_loss_frac", "probe_lost_rounds"),
+    "node_down": ("silent_min_s", "silent_intervals", "heartbeat_s", "ingest_lag_max_s", "probe_loss_frac",
+                  "probe_lost_rounds"),
     "cluster_silent": ("silent_min_s", "silent_intervals", "heartbeat_s"),
     "rank_down": ("beat_silent_s", "beat_suspect_s"), "hang": ("hang_steps", "hang_min_s"),
     "nccl_config": ("ib_timeout_min", "ib_timeout_scale_ranks"), "congestion": (),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from dashboard.diagnosis.detectors import Detection, run_all
@@ -13,9 +14,9 @@ LAST_STEP = T0 + 10.0
 
 
 def diagnose(beats: dict[int, tuple[Any, ...]], stalled: float, events: dict[int, str] | None = None,
-             silent_agents: tuple[int, ...] = ()) -> list[Detection]:
+             silent_agents: tuple[int, ...] = (), late: float = 0.0) -> list[Detection]:
     """``beats``: rank -> (state, seconds since its last beat arrived[, seconds in that state]); ``events``: rank ->
-    the error it died of."""
+    the error it died of; ``late``: how many seconds every node's batches take to reach the server."""
     buf, now = WindowBuffer(), LAST_STEP + stalled
     for n in range(4):
         meta = {"run": "r", "rank": n, "world_size": 4, "ts": T0, "host": f"node-{n}", "gpu_index": 0}
@@ -31,7 +32,9 @@ def diagnose(beats: dict[int, tuple[Any, ...]], stalled: float, events: dict[int
     for n in range(4):  # the agents: alive now, unless told otherwise
         heard = now - 10 if n in silent_agents else now
         buf.add({"host": f"node-{n}", "sent_at": heard, "hosts": [{"ts": heard, "cpu_pct": 10.0}]})
-    return run_all(buf.window(now))
+    w = buf.window(now)
+    return run_all(dataclasses.replace(w, ingest_delay={f"node-{n}": late for n in range(4)}, ingest_lag_s=late)
+                   if late else w)
 
 
 def keys(found: list[Detection]) -> list[tuple[str, str]]:

@@ -63,6 +63,9 @@ class Thresholds:
     silent_min_s: float = 3.0
     silent_intervals: float = 3.0  # ... or this many of the node's own reporting intervals, if longer
     heartbeat_s: float = 15.0
+    # ... plus how late its batches reach this server (its own newest batch's delay, or the cluster's median), up
+    # to this: a server behind on ingest, or a node whose clock runs behind, is not a node down.
+    ingest_lag_max_s: float = 120.0
     probe_loss_frac: float = 0.8
     # ... in the newest probes to it: at least this many rounds (one peer's, or several peers') since the last that
     # reached it, so one peer's lost round alone (a loaded prober) never names a node down.

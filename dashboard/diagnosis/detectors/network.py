@@ -86,7 +86,8 @@ def nodes_down(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) -> list
             continue
         lost, sent, peers, rounds = unreachable(w, i, heard, t) if i >= 0 else (0, 0, 0, 0)
         rounds_lost = sent > 0 and rounds >= t.probe_lost_rounds
-        if not rounds_lost and silent < t.heartbeat_s:
+        late = arrival_slack(w, t, host)
+        if not rounds_lost and silent < t.heartbeat_s + late:
             continue
         ranks = ranks_on.get(host, [])
         waiting = stranded(w, ranks)
@@ -94,6 +95,8 @@ def nodes_down(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) -> list
             title = f"{host} is down: silent for {silent:.0f} s and {peers} peer(s) lose {lost / sent:.0%} of probes to it"
         else:
             title = f"{host}'s agent is silent for {silent:.0f} s"
+            if late >= 1.0:
+                title += f" (past the {t.heartbeat_s:g} s heartbeat and the {late:.0f} s its batches take to arrive)"
         if waiting:
             title += "; stalls " + ", ".join(sorted(waiting))
         stalls = "".join(f"; the other {n} rank(s) of {run} wait for it in their collective (the run is stalled, "
@@ -105,10 +108,23 @@ def nodes_down(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) -> list
         out.append(Detection(
             "node_down", "node", host, "critical" if ranks else "error", title, action,
             {"metrics": {"silent_s": rnd(silent, 1), "last_heard": rnd(heard), "probe_loss": rnd(lost / sent) if sent
-                         else None, "probing_peers": peers, "ranks": ranks[:64], "waiting_ranks": waiting},
+                         else None, "probing_peers": peers, "ranks": ranks[:64], "waiting_ranks": waiting,
+                         "ingest_delay_s": rnd(late, 1)},
              "window": [rnd(heard), rnd(w.now)]},
             0.97 if rounds_lost else 0.8, node=host))
     return out
+
+
+def arrival_slack(w: Window, t: Thresholds, host: str) -> float:
+    """Seconds of a node's silence that the way to this server accounts for: how late its newest batch arrived, or
+    how late the cluster's batches arrive (the median), whichever is more, up to ``ingest_lag_max_s``.
+
+    Silence is measured from the node's newest sample to this server's clock, so anything that delays a batch on its
+    way looks like silence: a server behind on ingest (every batch queued at its door, drained in order), or a node
+    whose clock runs behind. At 2,048 nodes a server 15 s behind named a thousand healthy nodes down, each a page.
+    A dead node's batches stop arriving at all; with a server that keeps up it is named as before, and behind one it
+    is named that many seconds later. The probe path (peers losing it) needs no slack: it is evidence, not silence."""
+    return min(t.ingest_lag_max_s, max(w.ingest_lag_s, w.ingest_delay.get(host, 0.0)))
 
 
 def cluster_silence(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) -> tuple[float | None,

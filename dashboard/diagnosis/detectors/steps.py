@@ -17,6 +17,7 @@ import numpy as np
 from dashboard.diagnosis.detectors import ranks
 from dashboard.diagnosis.detectors.base import Detection, Thresholds, rnd, robust_z
 from dashboard.diagnosis.detectors.gpu import gpu_state
+from dashboard.diagnosis.detectors.network import arrival_slack
 from dashboard.diagnosis.detectors.window import RankInfo, RunInfo, Window
 
 _NO_RANK = RankInfo(None, None, {})
@@ -402,20 +403,24 @@ def hang(w: Window, t: Thresholds, alive_within_s: float, excused: dict[str, str
         watchdog = [e for e in w.events if e["run"] == run.name and _is_watchdog(e)]
         med = rs.step_med if rs is not None else float("nan")
         stalled = w.now - run.last_step_ts
-        limit = max(t.hang_steps * med, t.hang_min_s) if np.isfinite(med) else float("inf")
-        if stalled >= 3600 or (not watchdog and stalled < min(limit, t.beat_suspect_s)):
-            continue
         nodes = {r.node for r in run.ranks.values() if r.node}
+        # Steps are judged by their sample times, the ranks' beats by when they arrived: behind a server that receives
+        # late, a run steps on while its newest stored step ages. The run's last step is as fresh as its freshest
+        # node's batches, so the least of its nodes' arrival delays is time it may not have stepped in yet.
+        waited = stalled - min((arrival_slack(w, t, h) for h in nodes), default=0.0)
+        limit = max(t.hang_steps * med, t.hang_min_s) if np.isfinite(med) else float("inf")
+        if stalled >= 3600 or (not watchdog and waited < min(limit, t.beat_suspect_s)):
+            continue
         silent = [h for h in nodes if w.now - w.last_heard.get(h, -1e18) > alive_within_s]
         if silent and not watchdog:
             continue  # the node-down detector speaks for a run whose agents are not all alive
-        v = ranks.verdict(w, run, t, stalled, med, limit, alive_within_s)
+        v = ranks.verdict(w, run, t, waited, med, limit, alive_within_s)
         if v.culprits:
             out += ranks.findings(w, run, v, stalled, med)
             continue
         if v.what in ("finished", "wait") or (v.what == "none" and _finished(w, run)):
             continue
-        if watchdog or stalled >= limit:
+        if watchdog or waited >= limit:
             out.append(_hang_detection(w, run, rs, stalled, med, watchdog, v))
     return out
 

@@ -133,6 +133,11 @@ class Window:
     fabric: str = ""
     # run name -> [n x 3] (step, ts, loss), oldest first: one value per step (rank 0's, or the lowest reporting rank)
     losses: dict[str, np.ndarray] = field(default_factory=dict)
+    # How late this server receives what the nodes send: host -> seconds from its newest received batch's ``sent_at``
+    # to its arrival, and the median over the nodes (the server's own ingest lag). A node is silent against what
+    # could have arrived by now, not against the server's clock alone (``nodes_down``). Empty / 0 when unknown.
+    ingest_delay: dict[str, float] = field(default_factory=dict)
+    ingest_lag_s: float = 0.0
 
     def node_index(self) -> dict[str, int]:
         return {h: i for i, h in enumerate(self.nodes)}

@@ -1,0 +1,111 @@
+"""The pass against the database when batches arrive late: the loader reads how late each node's newest batch
+reached this server (the ingest ledger's ``received_at - sent_at``) and the cluster's median, and a node whose data
+is only late is not named down, while one whose batches stopped on time still is.
+
+The batches go through the real validator and writer; their arrival times are then set on the ledger as a server
+receiving them would have (the test stores in a second what took a minute)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from clusterdx import wire
+from collectors.sim.model import SimCluster
+from collectors.sim.scenario import parse
+from dashboard.diagnosis import loader
+from dashboard.diagnosis.models import Finding
+from dashboard.diagnosis.tasks import run_pass
+from dashboard.ingest.writer import store_batch
+from dashboard.telemetry.models import AgentBatch, Node
+from tests.server.conftest import World
+
+pytestmark = pytest.mark.django_db
+
+SECONDS = 60
+
+
+def feed(world: World, stop: dict[str, float], delay: dict[str, float], start: float) -> None:
+    """8 nodes x 4 GPUs, one sample a second from ``start`` for SECONDS; node -> how many seconds before the end its
+    batches stop (``stop``) and how late they arrive (``delay``; 0.05 s for the others)."""
+    sim = SimCluster(parse({"cluster": {"nodes": 8, "gpus_per_node": 4, "run": "llm", "seed": 5}}), start)
+    end = start + SECONDS
+    for t in range(1, SECONDS + 1):
+        for batch in sim.tick(start + t):
+            if start + t <= end - stop.get(batch["host"], 0.0):
+                store_batch(world.cluster, wire.validate_batch(batch))
+    for b in AgentBatch.objects.filter(cluster=world.cluster):
+        AgentBatch.objects.filter(id=b.id).update(received_at=b.sent_at + timedelta(seconds=delay.get(b.host, 0.05)))
+    for node in Node.objects.filter(cluster=world.cluster):  # when its last batch arrived
+        node.last_seen = AgentBatch.objects.filter(cluster=world.cluster, host=node.hostname).latest("received_at") \
+            .received_at
+        node.save(update_fields=["last_seen"])
+
+
+def test_the_loader_reads_each_nodes_newest_arrival_delay_and_the_clusters_median(world: World) -> None:
+    now = time.time()
+    feed(world, {"node-002": 30.0}, {"node-001": 12.0, "node-002": 3600.0}, now - SECONDS)
+    delays, lag = loader._ingest_delays(world.cluster.id, now + 1, 8)
+    assert delays["node-001"] == pytest.approx(12.0, abs=1e-3)
+    assert delays["node-000"] == pytest.approx(0.05, abs=1e-3)
+    # Its newest batch (an hour late: received an hour after the pass) is not yet received as of the pass; the one
+    # received before is not among the newest two a node of the cluster's arrivals either.
+    assert "node-002" not in delays
+    assert lag == pytest.approx(0.05, abs=1e-3)  # one late node does not make the cluster late
+    assert loader.load_window(world.cluster, now + 1).ingest_delay == delays
+
+
+def test_a_node_whose_batches_arrive_late_is_not_named_down_and_one_that_stopped_is(world: World) -> None:
+    now = time.time()
+    # node-001's data is 25 s behind the others' because its batches take 25 s to arrive; node-006's stopped 25 s ago
+    # and had arrived on time. Both are silent 25 s, past the 15 s heartbeat.
+    feed(world, {"node-001": 25.0, "node-006": 25.0}, {"node-001": 25.0}, now - SECONDS)
+    res = run_pass(world.cluster, now)
+    assert res.changes is not None
+    down = sorted(f.subject for f in res.changes.opened if f.kind == "node_down")
+    assert down == ["node-006"], [(f.kind, f.subject, f.title) for f in res.changes.opened]
+    f = Finding.objects.get(kind="node_down")
+    assert f.evidence["metrics"]["ingest_delay_s"] <= 0.1  # its own, on time (rounded to 0.1 s)
+
+
+def test_without_the_delay_the_late_node_would_be_named(world: World, monkeypatch: Any) -> None:
+    """The same history with the ledger's delays hidden from the pass: what the server said before it read them."""
+    now = time.time()
+    feed(world, {"node-001": 25.0, "node-006": 25.0}, {"node-001": 25.0}, now - SECONDS)
+    monkeypatch.setattr(loader, "_ingest_delays", lambda *_: ({}, 0.0))
+    res = run_pass(world.cluster, now)
+    assert res.changes is not None
+    assert sorted(f.subject for f in res.changes.opened if f.kind == "node_down") == ["node-001", "node-006"]
+
+
+
+def late_server(world: World, now: float, stopped: float = 40.0) -> None:
+    """A server that receives every node's batches 12 s late; node-001's stopped ``stopped`` s ago (its clock)."""
+    feed(world, {"node-001": stopped}, {f"node-{n:03d}": 12.0 for n in range(8)}, now - SECONDS)
+
+
+def test_behind_a_late_server_a_node_that_stopped_is_named_that_much_later(world: World) -> None:
+    now = time.time()
+    late_server(world, now)  # silent 40 s: past 15 s + the cluster's 12 s
+    res = run_pass(world.cluster, now)
+    assert res.changes is not None
+    assert [(f.kind, f.subject) for f in res.changes.opened] == [("node_down", "node-001")]
+    f = Finding.objects.get(kind="node_down")
+    assert f.evidence["metrics"]["ingest_delay_s"] == 12.0
+    assert f.evidence["metrics"]["silent_s"] == pytest.approx(40, abs=1.5)
+    assert "the 12 s its batches take to arrive" in f.title
+
+
+@pytest.mark.parametrize("read_delays", [True, False])
+def test_behind_a_late_server_a_node_silent_less_than_the_heartbeat_and_the_lag_is_not_named_yet(
+        world: World, monkeypatch: Any, read_delays: bool) -> None:
+    now = time.time()
+    late_server(world, now, stopped=22.0)  # past 15 s, not past 15 s + 12 s
+    if not read_delays:  # what the server said before it read the delays: down
+        monkeypatch.setattr(loader, "_ingest_delays", lambda *_: ({}, 0.0))
+    res = run_pass(world.cluster, now)
+    assert res.changes is not None
+    assert [f.subject for f in res.changes.opened if f.kind == "node_down"] == ([] if read_delays else ["node-001"])

@@ -1,0 +1,53 @@
+"""In Chromium: a node named down behind a server that receives its batches late. The finding page says how late
+they arrived, and its silence chart draws the heartbeat line where the detector held it: the heartbeat plus that
+delay, with the node's silence crossing it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from dashboard.diagnosis.models import Finding
+from dashboard.diagnosis.tasks import run_pass
+from tests.server import browser
+from tests.server.conftest import AsgiServer, World
+from tests.server.test_arrival_delay import late_server
+from tests.server.test_page_finding_browser import server  # noqa: F401 - the fixture: the real server, no own pass
+
+pytestmark = pytest.mark.browser
+
+TRACES = """() => document.getElementById('panel-silence').data.map((t) => ({meta: t.meta, name: t.name,
+  y: t.y.filter((v) => v !== null)}))"""
+
+
+def test_the_finding_page_draws_the_heartbeat_plus_the_arrival_delay(
+        server: AsgiServer, world: World, page: Any, tmp_path: Any) -> None:  # noqa: F811
+    def work() -> None:  # on another thread: Playwright's event loop on this one would refuse the pass's broadcasts
+        try:
+            now = time.time()
+            late_server(world, now)
+            run_pass(world.cluster, now)
+        finally:
+            connection.close()
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(120)
+    assert not t.is_alive()
+    f = Finding.objects.get(kind="node_down")
+    assert f.subject == "node-001" and "the 12 s its batches take to arrive" in f.title
+
+    browser.sign_in(page, server.url, world.owner.username, world.password, f"/findings/{f.id}/")
+    page.wait_for_function("(document.getElementById('panel-silence') || {}).data !== undefined")
+    traces = page.evaluate(TRACES)
+    beat = next(t for t in traces if t["name"].startswith("heartbeat_s"))
+    assert beat["name"] == "heartbeat_s 15 + 12 s arrival delay" and set(beat["y"]) == {27.0}, beat
+    silence = next(t for t in traces if t["meta"] == "subject")
+    assert max(silence["y"]) > 27.0
+    assert "arrive" in page.inner_text("#f-title")
+    browser.no_js_errors(page)
+    browser.keep_screenshot(page, "finding-late-node", tmp_path)
