@@ -88,6 +88,24 @@ def manage(env: dict[str, str], *args: str) -> str:
     return out.stdout
 
 
+def django_shell(env: dict[str, str], code: str) -> str:
+    """The last line ``code`` prints, run by ``manage.py shell`` against the server's database and settings."""
+    out = subprocess.run([sys.executable, "manage.py", "shell", "-c", code], env=env, cwd=ROOT, check=True,
+                         capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def findings_by_kind(env: dict[str, str]) -> dict[str, int]:
+    """Findings the server opened on the benchmark's cluster, by kind (open or since resolved)."""
+    try:
+        return json.loads(django_shell(
+            env, "import json; from django.db.models import Count; from dashboard.diagnosis.models import Finding;"
+                 "print(json.dumps(dict(Finding.objects.filter(cluster__name='bench').values_list('kind')"
+                 ".annotate(n=Count('id')).order_by('kind'))))"))
+    except (subprocess.CalledProcessError, ValueError, IndexError) as exc:
+        return {f"(could not read: {exc})": 0}
+
+
 def login_cookie(base: str, user: str, password: str) -> str:
     with httpx.Client(base_url=base) as client:
         client.get("/login/")
@@ -292,12 +310,15 @@ def _json(payload: bytes) -> dict[str, Any]:
 
 
 async def warm_up(gen: Generator, nodes: int, prefix: str) -> float | None:
-    """Seq 0 of every node, with no records: registers the nodes (the server sizes its advert by them), opens the
-    connections, and returns the send interval the server then asks for (None: it does not advertise)."""
+    """Seq 0 of every node, just before the run, with one host sample: registers the nodes as agents starting do
+    (heard from now, not minutes before their data: the server rightly names a node down that registered and then
+    said nothing through the build), opens the connections, and returns the send interval the server then asks for
+    (None: it does not advertise)."""
     now = time.time()
     per_rack = parse({"cluster": {"nodes": nodes}}).nodes_per_rack
     heads = [{"v": WIRE_VERSION, "agent_id": f"{prefix}-{node_name(n)}", "seq": 0, "host": node_name(n),
-              "sent_at": now, "topology": node_place(n, per_rack)} for n in range(nodes)]
+              "sent_at": now, "topology": node_place(n, per_rack), "hosts": [{"ts": now, "cpu_pct": 1.0}]}
+             for n in range(nodes)]
     posts = [Post(n, 0, gzip.compress(json.dumps(h).encode(), 1)) for n, h in enumerate(heads)]
     await gen.open()
     await asyncio.gather(*(gen.post(p, now) for p in posts))
@@ -362,19 +383,18 @@ def main() -> int:
             print("server did not start")
             return 1
         token = manage(env, "token", "create", "bench").strip().splitlines()[-1]
-        cluster_id = int(subprocess.run(
-            [sys.executable, "manage.py", "shell", "-c",
-             "from django.contrib.auth.models import User; from dashboard.telemetry.models import Cluster;"
-             "User.objects.create_superuser('bench', password='bench-password');"
-             "print(Cluster.objects.get(name='bench').id)"],
-            env=env, cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+        cluster_id = int(django_shell(
+            env, "from django.contrib.auth.models import User; from dashboard.telemetry.models import Cluster;"
+                 "User.objects.create_superuser('bench', password='bench-password');"
+                 "print(Cluster.objects.get(name='bench').id)"))
         cookie = login_cookie(base, "bench", "bench-password")
         gen = Generator(base, token, args.connections, args.drain)
         loop = asyncio.new_event_loop()
-        advert = loop.run_until_complete(warm_up(gen, args.nodes, prefix))
-        period = max(1, math.ceil(max(advert or 1.0, args.send_interval)))
-        print(f"==> the server asks for a post every {advert if advert is not None else '(not advertised)'} s; "
-              f"each node posts every {period} s", flush=True)
+        # The period from the server's own rule for this many nodes; the warm-up just before the run checks it.
+        planned = float(django_shell(env, f"from dashboard.ingest.views import _interval; print(_interval({args.nodes}))"))
+        period = max(1, math.ceil(max(planned, args.send_interval)))
+        print(f"==> the server's rule for {args.nodes} nodes: a post every {planned:g} s; each node posts every "
+              f"{period} s", flush=True)
 
         # Calibrate the build on one second of the whole cluster, then stamp the run to start once it is built.
         # (Three seconds: the first carries every rank's run metadata and costs several times a later one.)
@@ -390,6 +410,12 @@ def main() -> int:
         if late > 0:
             print(f"!! the build overran by {late:.1f} s: the first posts are that late", flush=True)
 
+        time.sleep(max(0.0, start - 8 - time.time()))
+        advert = loop.run_until_complete(warm_up(gen, args.nodes, prefix))
+        print(f"==> warm-up: every node registered; the server asks for a post every "
+              f"{advert if advert is not None else '(not advertised)'} s", flush=True)
+        if advert is not None and advert > period:
+            print(f"!! the server asks for {advert:g} s, more than the {period} s built", flush=True)
         watcher = threading.Thread(target=watch, args=(base, cookie, cluster_id, stop, browser_lat, watch_failed),
                                    daemon=True)
         watcher.start()
@@ -423,6 +449,7 @@ def main() -> int:
         if spy is not None:
             spy.wait(30)
         print_metrics(base)
+        findings = findings_by_kind(env)
         loop.run_until_complete(gen.close())
     finally:
         server.terminate()
@@ -448,6 +475,8 @@ def main() -> int:
           f"({len(browser_lat):,} GPU rows seen)")
     for why in watch_failed:
         print(f"!! the websocket watcher stopped early: {why}")
+    # The simulated cluster is healthy: every finding but cluster_silent (the server itself behind) is a false alarm.
+    print(f"findings opened during the run (a healthy cluster): {findings or 'none'}")
     node_s = max(1, res.accepted_node_s)
     print(f"server CPU: {1000 * (cpu1 - cpu0) / node_s:.2f} ms per accepted node-second "
           f"({100 * (cpu1 - cpu0) / wall:.0f}% of one core over {wall:.0f} s); peak RSS "
