@@ -564,13 +564,16 @@ def _ingest_delays(cluster_id: int, now: float, nodes: int) -> tuple[dict[str, f
     The newest two batches a node, at most, along the (cluster, received_at) index, backwards: a few thousand rows
     at 2,048 nodes. A node whose last batch is older than those gets the median, the cluster's lag; a node replaying
     its spool (hours-old ``sent_at``) lifts only its own delay. Negative delays (a clock a little ahead) count as 0."""
-    rows = (m.AgentBatch.objects.filter(cluster_id=cluster_id, received_at__gt=_dt(now - INGEST_DELAY_SPAN_S),
-                                        received_at__lte=_dt(now), sent_at__isnull=False)
-            .order_by("-received_at").values_list("host", "received_at", "sent_at")[:max(64, 2 * nodes)])
+    adapt = connection.ops.adapt_datetimefield_value
+    # The delay in SQL, as epoch seconds: two datetimes a row through the ORM's converters cost ~70 ms at 2,048 nodes.
+    rows = _rows(m.AgentBatch, ["host", f"{_epoch('received_at')} - {_epoch('sent_at')}"],
+                 "cluster_id = %s AND received_at > %s AND received_at <= %s AND sent_at IS NOT NULL "
+                 "ORDER BY received_at DESC LIMIT %s",
+                 [cluster_id, adapt(_dt(now - INGEST_DELAY_SPAN_S)), adapt(_dt(now)), max(64, 2 * nodes)])
     delays: dict[str, float] = {}
-    for host, received, sent in rows:
+    for host, delay in rows:
         if host not in delays:
-            delays[host] = max(0.0, (received - sent).total_seconds())
+            delays[host] = max(0.0, float(delay))
     return delays, float(np.median(list(delays.values()))) if delays else 0.0
 
 
