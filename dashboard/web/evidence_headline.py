@@ -84,9 +84,10 @@ def _node_down(m: dict[str, Any], e: dict[str, Any]) -> str:
 
 
 def _cluster_silent(m: dict[str, Any], e: dict[str, Any]) -> str:
-    silent, nodes = _num(m.get("silent_s")), _num(m.get("nodes"))
+    silent, nodes, lag = _num(m.get("silent_s")), _num(m.get("nodes")), _num(m.get("ingest_lag_s"))
     return _join(f"silent {silent:.0f} s" if silent is not None else None,
-                 f"all {nodes:,.0f} nodes" if nodes is not None else None)
+                 f"all {nodes:,.0f} nodes" if nodes is not None else None,
+                 f"batches arrive {lag:.0f} s late" if lag is not None and lag >= 1 else None)
 
 
 def _stall(m: dict[str, Any], e: dict[str, Any]) -> str:

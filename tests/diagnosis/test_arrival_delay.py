@@ -79,3 +79,18 @@ def test_a_run_whose_steps_arrive_late_is_not_hung_until_it_stops_for_longer_tha
     assert [d.key for d in diagnose(alive, stalled=6)] == [("hang", "r")]
     assert diagnose(alive, stalled=6, late=8.0) == []
     assert [d.key for d in diagnose(alive, stalled=14, late=8.0)] == [("hang", "r")]
+
+
+def test_a_cluster_silent_because_its_batches_arrive_late_says_this_server_is_behind() -> None:
+    until = T0 + 25.0
+    now = until + 20.0
+    quiet = cluster(until, cut=None, last_post=until + 100).window(now)
+    # Batches still arriving, 20 s after they were sent: this server's ingest is behind.
+    (d,) = run_all(dataclasses.replace(quiet, ingest_lag_s=20.0))
+    assert d.key == ("cluster_silent", "cluster")
+    assert d.title.startswith("this server receives the cluster's batches 20 s late: no node heard for 20 s")
+    assert "ingest is behind" in d.action and "CLUSTERDX_INGEST_NODES_PER_S" in d.action
+    assert d.evidence["metrics"]["ingest_lag_s"] == 20.0
+    # None arriving late (the last arrivals were on time): the nodes, or the network to them.
+    (d,) = run_all(dataclasses.replace(quiet, ingest_lag_s=0.05))
+    assert d.title.startswith("no node of the cluster heard for 20 s") and "power" in d.action

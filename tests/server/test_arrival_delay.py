@@ -109,3 +109,17 @@ def test_behind_a_late_server_a_node_silent_less_than_the_heartbeat_and_the_lag_
     res = run_pass(world.cluster, now)
     assert res.changes is not None
     assert [f.subject for f in res.changes.opened if f.kind == "node_down"] == ([] if read_delays else ["node-001"])
+
+
+def test_a_cluster_whose_batches_all_arrive_late_is_this_server_behind(world: World) -> None:
+    """Every node's batches arrive 20 s after they were sent: what the pass has of each ends 20 s ago. One
+    cluster_silent that names this server's ingest, not the nodes; and no node_down for any of them."""
+    now = time.time()
+    hosts = [f"node-{n:03d}" for n in range(8)]
+    feed(world, dict.fromkeys(hosts, 20.0), dict.fromkeys(hosts, 20.0), now - SECONDS)
+    res = run_pass(world.cluster, now)
+    assert res.changes is not None
+    assert [(f.kind, f.subject) for f in res.changes.opened] == [("cluster_silent", "cluster")]
+    f = Finding.objects.get(kind="cluster_silent")
+    assert f.title.startswith("this server receives the cluster's batches 20 s late")
+    assert f.evidence["metrics"]["ingest_lag_s"] == pytest.approx(20.0, abs=0.1)

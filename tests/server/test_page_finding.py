@@ -316,6 +316,8 @@ def test_silence_and_breach() -> None:
      "SM clock 61% of max, 92 °C, hw_thermal_slowdown"),
     ("hang", {"stalled_s": 42.0, "median_step_s": 0.5}, "no step for 42 s (84x median step)"),
     ("cluster_silent", {"silent_s": 42.0, "nodes": 2048}, "silent 42 s, all 2,048 nodes"),
+    ("cluster_silent", {"silent_s": 42.0, "nodes": 2048, "ingest_lag_s": 41.0},
+     "silent 42 s, all 2,048 nodes, batches arrive 41 s late"),
     ("rank_down", {"state": "step", "silent_s": 9.0, "stalled_s": 12.0, "median_step_s": 1.0},
      "step, no beat for 9 s, no step for 12 s (12x median step)"),
     ("memory_pressure", {"allocated_frac": 0.93, "reserved_frac": 0.97}, "93% allocated, 97% reserved"),

@@ -147,6 +147,10 @@ def test_headline_picks_the_key_metric_per_kind() -> None:
         "no step for 40 s (20× the median step)"
     assert headline("cluster_silent", {"metrics": {"silent_s": 20.4, "nodes": 2048, "ranks": ["a/rank0"]}}) == \
         "all 2,048 nodes silent 20 s, 1 rank(s) of running jobs on them"
+    assert headline("cluster_silent", {"metrics": {"silent_s": 31, "nodes": 2048, "ingest_lag_s": 30.2}}) == \
+        "all 2,048 nodes silent 31 s; their batches reach this server 30 s late"
+    assert headline("cluster_silent", {"metrics": {"silent_s": 31, "nodes": 2048, "ingest_lag_s": 0.1}}) == \
+        "all 2,048 nodes silent 31 s"
     assert headline("unknown_kind", {"metrics": {"a": 1, "b": "x", "c": [1]}}) == "a 1, b x"
     assert headline("straggler", {"metrics": {"compute_s": "bad", "median_compute_s": None}}) == "compute_s bad"
 

@@ -160,17 +160,31 @@ def cluster_silence(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) ->
     ages = np.sort(np.asarray(list(heard.values())))
     ticks = freshest + np.arange(-60.0, min(silent, 60.0) + 1e-9, 1.0)  # the minute before, up to one after
     still = len(ages) - np.searchsorted(ages, ticks, side="left")
-    title = f"no node of the cluster heard for {silent:.0f} s (all {len(heard)} nodes)"
+    # The ledger tells the two apart: batches still arriving, but late, are this server's ingest falling behind; none
+    # arriving is the nodes or the network to them.
+    lag = w.ingest_lag_s
+    behind = lag >= max(t.silent_min_s, 0.5 * silent)
+    if behind:
+        title = (f"this server receives the cluster's batches {lag:.0f} s late: no node heard for {silent:.0f} s "
+                 f"(all {len(heard)} nodes)")
+        action = (f"The nodes are sending: their batches arrive {lag:.0f} s after they were sent, so this server's "
+                  "ingest is behind and every page and finding is that late. Check /metrics "
+                  "(clusterdx_ingest_queue_batches, clusterdx_ingest_commit_seconds, clusterdx_db_write_wait_seconds, "
+                  "refused batches) and the server's CPU; give it cores or web workers, or ask the agents for fewer "
+                  "posts (lower CLUSTERDX_INGEST_NODES_PER_S raises their send interval).")
+    else:
+        title = f"no node of the cluster heard for {silent:.0f} s (all {len(heard)} nodes)"
+        action = ("If the nodes are up, this server is not receiving or not storing their batches: check its ingest on "
+                  "/metrics (clusterdx_ingest_queue_batches, clusterdx_ingest_commit_seconds, refused batches), its "
+                  "log, and the network between the nodes and it (the agents' logs say whether their posts fail). If "
+                  "they are down together, look for what they share: power, the management network, the scheduler "
+                  "draining them.")
     if ranks:
         title += f"; {len(ranks)} rank(s) of running jobs with them"
-    action = ("If the nodes are up, this server is not receiving or not storing their batches: check its ingest on "
-              "/metrics (clusterdx_ingest_queue_batches, clusterdx_ingest_commit_seconds, refused batches), its log, "
-              "and the network between the nodes and it (the agents' logs say whether their posts fail). If they are "
-              "down together, look for what they share: power, the management network, the scheduler draining them.")
     return freshest, Detection(
         "cluster_silent", "cluster", "cluster", "critical" if ranks else "error", title, action,
         {"metrics": {"silent_s": rnd(silent, 1), "last_heard": rnd(freshest), "nodes": len(heard),
-                     "earliest_heard_ts": rnd(float(ages[0])), "ranks": ranks[:64]},
+                     "earliest_heard_ts": rnd(float(ages[0])), "ranks": ranks[:64], "ingest_lag_s": rnd(lag, 1)},
          "series": {"heard": {"t": [rnd(float(x)) for x in ticks], "nodes": [int(n) for n in still]}},
          "window": [rnd(freshest), rnd(w.now)]},
         0.9)

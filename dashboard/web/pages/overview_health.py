@@ -235,7 +235,9 @@ def _headline_network(kind: str, m: dict[str, Any]) -> str | None:
         return f"silent {float(m['silent_s']):.0f} s{loss}{ranks}"
     if kind == "cluster_silent" and _have(m, "silent_s", "nodes"):
         ranks = f", {len(m['ranks'])} rank(s) of running jobs on them" if m.get("ranks") else ""
-        return f"all {int(m['nodes']):,} nodes silent {float(m['silent_s']):.0f} s{ranks}"
+        lag = m.get("ingest_lag_s")
+        late = f"; their batches reach this server {float(lag):.0f} s late" if _have(m, "ingest_lag_s") and lag >= 1 else ""
+        return f"all {int(m['nodes']):,} nodes silent {float(m['silent_s']):.0f} s{ranks}{late}"
     if kind == "slow_link":
         if m.get("port"):
             errs = ", ".join(f"{k} {v}" for k, v in sorted((m.get("errors") or {}).items())[:2])
