@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,23 @@ def launch_page(monkeypatch: pytest.MonkeyPatch, width: int = 1400, height: int 
             yield page
         finally:
             browser.close()
+
+
+def elsewhere(work: Callable[[], None], timeout: float = 120) -> None:
+    """Run ``work`` (ingest, diagnosis passes) on another thread and wait for it: Playwright's sync API keeps an event
+    loop on this one, where the passes' live broadcasts (async_to_sync) cannot run."""
+    from django.db import connection
+
+    def run() -> None:
+        try:
+            work()
+        finally:
+            connection.close()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive()
 
 
 def sign_in(page: Any, base_url: str, username: str, password: str, next_path: str) -> None:

@@ -4,7 +4,6 @@ prepends a finding that opens while it is shown."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
@@ -36,20 +35,8 @@ PLOTTED = """() => {
 
 
 def feed_elsewhere(feed: Feed, seconds: int) -> None:
-    """Run the simulated seconds on another thread: Playwright's sync API keeps an event loop on this one, where the
-    passes' live broadcasts (async_to_sync) cannot run."""
-    from django.db import connection
-
-    def work() -> None:
-        try:
-            feed.run(seconds)
-        finally:
-            connection.close()
-
-    t = threading.Thread(target=work)
-    t.start()
-    t.join(120)
-    assert not t.is_alive()
+    """Run the simulated seconds on another thread (:func:`browser.elsewhere`)."""
+    browser.elsewhere(lambda: feed.run(seconds))
 
 
 @pytest.fixture
