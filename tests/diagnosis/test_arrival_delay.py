@@ -94,3 +94,14 @@ def test_a_cluster_silent_because_its_batches_arrive_late_says_this_server_is_be
     # None arriving late (the last arrivals were on time): the nodes, or the network to them.
     (d,) = run_all(dataclasses.replace(quiet, ingest_lag_s=0.05))
     assert d.title.startswith("no node of the cluster heard for 20 s") and "power" in d.action
+
+
+def test_behind_a_server_that_the_whole_cluster_is_silent_to_the_lag_is_taken_back_once() -> None:
+    # node-c's agent stopped 20 s before the others' last word (its peers still reach it); then every node's data
+    # stops reaching the pass, batches arriving 10 s late. Judged as of the last word, node-c is 20 s silent: past
+    # the heartbeat, with the shared 10 s already taken back by moving the pass to that word.
+    last_word = LAST + 20.0
+    buf = cluster(last_word, last_post=LAST, cut=None)
+    w = dataclasses.replace(buf.window(last_word + 10.0), ingest_lag_s=10.0,
+                            ingest_delay=dict.fromkeys(("node-a", "node-b", "node-d"), 10.0))
+    assert sorted(d.key for d in run_all(w)) == [("node_down", "node-c")]

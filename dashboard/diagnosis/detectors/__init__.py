@@ -62,7 +62,10 @@ def run_all(w: Window, t: Thresholds | None = None) -> list[Detection]:
     ranks_on, rank_gpus = _active_ranks(w)
     freshest, silence = cluster_silence(w, t, ranks_on)
     if freshest is not None:  # the whole cluster is silent: the rest is judged as of its last word
-        w = dataclasses.replace(w, now=freshest)
+        # ... which already takes back the delay every node's batches share: only what a node's exceeds it by counts.
+        shift = w.now - freshest
+        w = dataclasses.replace(w, now=freshest, ingest_lag_s=max(0.0, w.ingest_lag_s - shift),
+                                ingest_delay={h: max(0.0, d - shift) for h, d in w.ingest_delay.items()})
     down = nodes_down(w, t, ranks_on)
     gpus = failing_gpus(w, t)
     excused = _excused(w, down, gpus)
