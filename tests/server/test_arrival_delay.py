@@ -25,13 +25,14 @@ from tests.server.conftest import World
 
 pytestmark = pytest.mark.django_db
 
-SECONDS = 60
+SECONDS = 45
+NODES = 6
 
 
 def feed(world: World, stop: dict[str, float], delay: dict[str, float], start: float) -> None:
-    """8 nodes x 4 GPUs, one sample a second from ``start`` for SECONDS; node -> how many seconds before the end its
-    batches stop (``stop``) and how late they arrive (``delay``; 0.05 s for the others)."""
-    sim = SimCluster(parse({"cluster": {"nodes": 8, "gpus_per_node": 4, "run": "llm", "seed": 5}}), start)
+    """NODES nodes x 2 GPUs, one sample a second from ``start`` for SECONDS; node -> how many seconds before the end
+    its batches stop (``stop``) and how late they arrive (``delay``; 0.05 s for the others)."""
+    sim = SimCluster(parse({"cluster": {"nodes": NODES, "gpus_per_node": 2, "run": "llm", "seed": 5}}), start)
     end = start + SECONDS
     for t in range(1, SECONDS + 1):
         for batch in sim.tick(start + t):
@@ -48,7 +49,7 @@ def feed(world: World, stop: dict[str, float], delay: dict[str, float], start: f
 def test_the_loader_reads_each_nodes_newest_arrival_delay_and_the_clusters_median(world: World) -> None:
     now = time.time()
     feed(world, {"node-002": 30.0}, {"node-001": 12.0, "node-002": 3600.0}, now - SECONDS)
-    delays, lag = loader._ingest_delays(world.cluster.id, now + 1, 8)
+    delays, lag = loader._ingest_delays(world.cluster.id, now + 1, NODES)
     assert delays["node-001"] == pytest.approx(12.0, abs=1e-3)
     assert delays["node-000"] == pytest.approx(0.05, abs=1e-3)
     # Its newest batch (an hour late: received an hour after the pass) is not yet received as of the pass; the one
@@ -60,13 +61,13 @@ def test_the_loader_reads_each_nodes_newest_arrival_delay_and_the_clusters_media
 
 def test_a_node_whose_batches_arrive_late_is_not_named_down_and_one_that_stopped_is(world: World) -> None:
     now = time.time()
-    # node-001's data is 25 s behind the others' because its batches take 25 s to arrive; node-006's stopped 25 s ago
+    # node-001's data is 25 s behind the others' because its batches take 25 s to arrive; node-005's stopped 25 s ago
     # and had arrived on time. Both are silent 25 s, past the 15 s heartbeat.
-    feed(world, {"node-001": 25.0, "node-006": 25.0}, {"node-001": 25.0}, now - SECONDS)
+    feed(world, {"node-001": 25.0, "node-005": 25.0}, {"node-001": 25.0}, now - SECONDS)
     res = run_pass(world.cluster, now)
     assert res.changes is not None
     down = sorted(f.subject for f in res.changes.opened if f.kind == "node_down")
-    assert down == ["node-006"], [(f.kind, f.subject, f.title) for f in res.changes.opened]
+    assert down == ["node-005"], [(f.kind, f.subject, f.title) for f in res.changes.opened]
     f = Finding.objects.get(kind="node_down")
     assert f.evidence["metrics"]["ingest_delay_s"] <= 0.1  # its own, on time (rounded to 0.1 s)
 
@@ -74,17 +75,17 @@ def test_a_node_whose_batches_arrive_late_is_not_named_down_and_one_that_stopped
 def test_without_the_delay_the_late_node_would_be_named(world: World, monkeypatch: Any) -> None:
     """The same history with the ledger's delays hidden from the pass: what the server said before it read them."""
     now = time.time()
-    feed(world, {"node-001": 25.0, "node-006": 25.0}, {"node-001": 25.0}, now - SECONDS)
+    feed(world, {"node-001": 25.0, "node-005": 25.0}, {"node-001": 25.0}, now - SECONDS)
     monkeypatch.setattr(loader, "_ingest_delays", lambda *_: ({}, 0.0))
     res = run_pass(world.cluster, now)
     assert res.changes is not None
-    assert sorted(f.subject for f in res.changes.opened if f.kind == "node_down") == ["node-001", "node-006"]
+    assert sorted(f.subject for f in res.changes.opened if f.kind == "node_down") == ["node-001", "node-005"]
 
 
 
 def late_server(world: World, now: float, stopped: float = 40.0) -> None:
     """A server that receives every node's batches 12 s late; node-001's stopped ``stopped`` s ago (its clock)."""
-    feed(world, {"node-001": stopped}, {f"node-{n:03d}": 12.0 for n in range(8)}, now - SECONDS)
+    feed(world, {"node-001": stopped}, {f"node-{n:03d}": 12.0 for n in range(NODES)}, now - SECONDS)
 
 
 def test_behind_a_late_server_a_node_that_stopped_is_named_that_much_later(world: World) -> None:
@@ -115,7 +116,7 @@ def test_a_cluster_whose_batches_all_arrive_late_is_this_server_behind(world: Wo
     """Every node's batches arrive 20 s after they were sent: what the pass has of each ends 20 s ago. One
     cluster_silent that names this server's ingest, not the nodes; and no node_down for any of them."""
     now = time.time()
-    hosts = [f"node-{n:03d}" for n in range(8)]
+    hosts = [f"node-{n:03d}" for n in range(NODES)]
     feed(world, dict.fromkeys(hosts, 20.0), dict.fromkeys(hosts, 20.0), now - SECONDS)
     res = run_pass(world.cluster, now)
     assert res.changes is not None
