@@ -584,12 +584,15 @@ def _node_down(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str
     xl, win = em.clean(xs, 3), evidence_window(f)
     limit = max(t.silent_min_s, t.silent_intervals * em.median_interval(heard))
     # The heartbeat line as the detector drew it: plus the seconds its batches took to arrive, when they were late.
-    late = float(((f.evidence or {}).get("metrics") or {}).get("ingest_delay_s") or 0.0)
+    metrics = (f.evidence or {}).get("metrics") or {}
+    late = float(metrics.get("ingest_delay_s") or 0.0)
     beat = f"heartbeat_s {t.heartbeat_s:g}" + (f" + {late:g} s arrival delay" if late >= 1.0 else "")
+    lines = const(f"silent limit {limit:g} s (with probe loss)", limit, xl) + \
+        const(beat, t.heartbeat_s + (late if late >= 1.0 else 0.0), xl)
+    if metrics.get("probe_loss") is None:  # named on silence alone: the heartbeat line decided, so it comes first
+        lines.reverse()
     out = [panel("silence", f"Seconds since {f.node.hostname} was last heard from{source}", "time", "silent for (s)",
-                 [line("heartbeat gap", "subject", xl, em.silence(heard, xs))],
-                 const(f"silent limit {limit:g} s (with probe loss)", limit, xl)
-                 + const(beat, t.heartbeat_s + (late if late >= 1.0 else 0.0), xl), window=win)]
+                 [line("heartbeat gap", "subject", xl, em.silence(heard, xs))], lines, window=win)]
     loss_qs = Probe.objects.filter(cluster_id=f.cluster_id, peer=f.node.hostname).annotate(
         loss=Cast(F("lost"), FloatField()) / NullIf(Cast(F("sent"), FloatField()), 0.0))
     got = downsample(loss_qs, TimeRange(t0, t1, POINTS), ["loss"]).get("")

@@ -88,7 +88,7 @@ def late_server(world: World, now: float, stopped: float = 40.0) -> None:
     feed(world, {"node-001": stopped}, {f"node-{n:03d}": 12.0 for n in range(NODES)}, now - SECONDS)
 
 
-def test_behind_a_late_server_a_node_that_stopped_is_named_that_much_later(world: World) -> None:
+def test_behind_a_late_server_a_node_that_stopped_is_named_that_much_later(world: World, client: Any) -> None:
     now = time.time()
     late_server(world, now)  # silent 40 s: past 15 s + the cluster's 12 s
     res = run_pass(world.cluster, now)
@@ -98,6 +98,11 @@ def test_behind_a_late_server_a_node_that_stopped_is_named_that_much_later(world
     assert f.evidence["metrics"]["ingest_delay_s"] == 12.0
     assert f.evidence["metrics"]["silent_s"] == pytest.approx(40, abs=1.5)
     assert "the 12 s its batches take to arrive" in f.title
+    # Its evidence: the silence against the line that decided, the heartbeat plus the delay (no probe loss here).
+    client.force_login(world.teammate)
+    panel = client.get(f"/api/v1/findings/{f.id}").json()["chart"]["panels"][0]
+    assert panel["id"] == "silence" and panel["thresholds"][0]["name"] == "heartbeat_s 15 + 12 s arrival delay"
+    assert panel["thresholds"][0]["value"] == 27.0 and panel["breach"]["over"] is True
 
 
 @pytest.mark.parametrize("read_delays", [True, False])
