@@ -598,7 +598,6 @@ def _last_heard(w: Window, nodes_rows: list[tuple[Any, ...]], index: dict[str, i
                 continue
             # last_seen is when its last batch arrived (this server's clock): as of the node's own clock, that
             # batch's delay earlier, as the silence of the nodes heard in the window is measured.
-            late = max(w.ingest_lag_s, w.ingest_delay.get(host, 0.0))
-            heard = min(last_seen.timestamp() - late, now - SPANS["gpus"])
+            heard = min(last_seen.timestamp() - w.arrival_delay(host), now - SPANS["gpus"])
         out[host] = heard
     return out

@@ -587,8 +587,7 @@ def _node_down(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str
     metrics = (f.evidence or {}).get("metrics") or {}
     late = float(metrics.get("ingest_delay_s") or 0.0)
     beat = f"heartbeat_s {t.heartbeat_s:g}" + (f" + {late:g} s arrival delay" if late >= 1.0 else "")
-    lines = const(f"silent limit {limit:g} s (with probe loss)", limit, xl) + \
-        const(beat, t.heartbeat_s + (late if late >= 1.0 else 0.0), xl)
+    lines = const(f"silent limit {limit:g} s (with probe loss)", limit, xl) + const(beat, t.heartbeat_s + late, xl)
     if metrics.get("probe_loss") is None:  # named on silence alone: the heartbeat line decided, so it comes first
         lines.reverse()
     out = [panel("silence", f"Seconds since {f.node.hostname} was last heard from{source}", "time", "silent for (s)",

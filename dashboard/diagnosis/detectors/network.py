@@ -124,7 +124,7 @@ def arrival_slack(w: Window, t: Thresholds, host: str) -> float:
     whose clock runs behind. At 2,048 nodes a server 15 s behind named a thousand healthy nodes down, each a page.
     A dead node's batches stop arriving at all; with a server that keeps up it is named as before, and behind one it
     is named that many seconds later. The probe path (peers losing it) needs no slack: it is evidence, not silence."""
-    return min(t.ingest_lag_max_s, max(w.ingest_lag_s, w.ingest_delay.get(host, 0.0)))
+    return min(t.ingest_lag_max_s, w.arrival_delay(host))
 
 
 def cluster_silence(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) -> tuple[float | None,

@@ -142,6 +142,11 @@ class Window:
     def node_index(self) -> dict[str, int]:
         return {h: i for i, h in enumerate(self.nodes)}
 
+    def arrival_delay(self, host: str) -> float:
+        """How late the node's batches reach this server: its newest batch's delay, or the cluster's median,
+        whichever is more (``network.arrival_slack`` bounds it for the detectors)."""
+        return max(self.ingest_lag_s, self.ingest_delay.get(host, 0.0))
+
 
 def bus_key(pci_bus_id: str | None) -> str | None:
     """ "00000000:18:00.0" and "0000:18:00" -> "18:00": the bus and device, the part every tool prints alike."""
