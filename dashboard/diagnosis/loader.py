@@ -204,7 +204,8 @@ def load_window(cluster: m.Cluster, now: float, beats: list[dict[str, Any]] | No
     w = Window(now=now, nodes=hostnames, steps=steps, gpus=gpus, ports=ports, probes=probes,
                events=_events(cluster.id, now), hosts=_hosts(cluster.id, now, by_id, hostnames, runs), runs=runs,
                last_heard={}, interconnect=cluster.nccl_interconnect(), gpu_bus=_gpu_bus(cluster), span=dict(SPANS))
-    w.ingest_delay, w.ingest_lag_s = _ingest_delays(cluster.id, now, len(nodes_rows))
+    w.ingest_delay, w.ingest_lag_s, agents = _ingest_delays(cluster.id, now, len(nodes_rows))
+    w.arrivals = _arrivals(cluster.id, now, w.ingest_delay, w.ingest_lag_s, agents)
     w.last_heard = _last_heard(w, nodes_rows, index, now)
     w.beats = get_state().beats(cluster.id) if beats is None else beats
     w.nccl_state = _nccl_state(cluster.id, runs)
@@ -557,24 +558,48 @@ def _gpu_bus(cluster: m.Cluster) -> dict[tuple[str, str], int]:
 INGEST_DELAY_SPAN_S = 60.0  # the batches received this long before the pass say how late batches arrive now
 
 
-def _ingest_delays(cluster_id: int, now: float, nodes: int) -> tuple[dict[str, float], float]:
-    """host -> seconds from ``sent_at`` to arrival of its newest batch among the cluster's latest arrivals, and the
-    median of those: how far behind this server receives (see ``network.arrival_slack``).
+def _ingest_delays(cluster_id: int, now: float, nodes: int) -> tuple[dict[str, float], float, dict[str, str]]:
+    """host -> seconds from ``sent_at`` to arrival of its newest batch among the cluster's latest arrivals, the
+    median of those: how far behind this server receives (see ``network.arrival_slack``), and host -> the agent id
+    that sent that batch (:func:`_arrivals` follows it).
 
     The newest two batches a node, at most, along the (cluster, received_at) index, backwards: a few thousand rows
     at 2,048 nodes. A node whose last batch is older than those gets the median, the cluster's lag; a node replaying
     its spool (hours-old ``sent_at``) lifts only its own delay. Negative delays (a clock a little ahead) count as 0."""
     adapt = connection.ops.adapt_datetimefield_value
     # The delay in SQL, as epoch seconds: two datetimes a row through the ORM's converters cost ~70 ms at 2,048 nodes.
-    rows = _rows(m.AgentBatch, ["host", f"{_epoch('received_at')} - {_epoch('sent_at')}"],
+    rows = _rows(m.AgentBatch, ["host", "agent_id", f"{_epoch('received_at')} - {_epoch('sent_at')}"],
                  "cluster_id = %s AND received_at > %s AND received_at <= %s AND sent_at IS NOT NULL "
                  "ORDER BY received_at DESC LIMIT %s",
                  [cluster_id, adapt(_dt(now - INGEST_DELAY_SPAN_S)), adapt(_dt(now)), max(64, 2 * nodes)])
     delays: dict[str, float] = {}
-    for host, delay in rows:
+    agents: dict[str, str] = {}
+    for host, agent_id, delay in rows:
         if host not in delays:
-            delays[host] = max(0.0, float(delay))
-    return delays, float(np.median(list(delays.values()))) if delays else 0.0
+            delays[host], agents[host] = max(0.0, float(delay)), agent_id
+    return delays, float(np.median(list(delays.values()))) if delays else 0.0, agents
+
+
+ARRIVALS_EXCESS_S = 10.0  # a node whose newest batch is this much later than the cluster's gets its recent arrivals
+ARRIVALS_BATCHES = 12  # ... this many of its newest batches
+ARRIVALS_MAX_NODES = 64  # ... for at most this many nodes a pass (the latest first): a handful is the usual case
+
+
+def _arrivals(cluster_id: int, now: float, delays: dict[str, float], lag: float,
+              agents: dict[str, str]) -> dict[str, np.ndarray]:
+    """host -> [n x 2] (arrival on this server's clock, seconds after its ``sent_at``), oldest first, of the newest
+    ARRIVALS_BATCHES batches of each node whose newest batch arrived ARRIVALS_EXCESS_S later than the cluster's: a
+    steady delay is a clock behind, a falling one a spool replay (``network.clock_behind`` tells which). Usually no
+    node qualifies and this reads nothing; each that does is one short scan of the (cluster, agent, seq) index."""
+    late = sorted((h for h, d in delays.items() if d - lag >= ARRIVALS_EXCESS_S), key=lambda h: -delays[h])
+    adapt = connection.ops.adapt_datetimefield_value
+    out = {}
+    for host in late[:ARRIVALS_MAX_NODES]:
+        rows = _rows(m.AgentBatch, [_epoch("received_at"), f"{_epoch('received_at')} - {_epoch('sent_at')}"],
+                     "cluster_id = %s AND agent_id = %s AND received_at <= %s AND sent_at IS NOT NULL "
+                     "ORDER BY seq DESC LIMIT %s", [cluster_id, agents[host], adapt(_dt(now)), ARRIVALS_BATCHES])
+        out[host] = np.array(rows[::-1], dtype=float).reshape(-1, 2)
+    return out
 
 
 def _last_heard(w: Window, nodes_rows: list[tuple[Any, ...]], index: dict[str, int], now: float) -> dict[str, float]:

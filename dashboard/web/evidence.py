@@ -34,7 +34,7 @@ from dashboard.diagnosis.detectors.base import Thresholds
 from dashboard.diagnosis.detectors.network import PORT_ERRORS
 from dashboard.diagnosis.detectors.window import SPANS
 from dashboard.diagnosis.models import Finding
-from dashboard.telemetry.models import Event, Gpu, GpuSample, HostSample, PortSample, Probe, Rank, StepSample, of_rank
+from dashboard.telemetry.models import AgentBatch, Event, Gpu, GpuSample, HostSample, PortSample, Probe, Rank, StepSample, of_rank
 from dashboard.web import evidence_math as em
 from dashboard.web.evidence_headline import headline
 from dashboard.web.series import TimeRange, downsample, downsample_tiered, tiered
@@ -615,6 +615,30 @@ def _cluster_silent(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dic
                   const(f"all {nodes} nodes", nodes, xs), direction="below", window=evidence_window(f))]
 
 
+def _clock_skew(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
+    """How late each of the node's recent batches arrived (received_at − the sent_at it stamped), by arrival: a
+    flat line far above the limit is a clock behind; an agent replaying its spool draws a falling one."""
+    if f.node_id is None or not f.node.agent_id:
+        return []
+    # Its newest batches along the (cluster, agent, seq) index: the ledger's time index holds every node's batches.
+    rows = (AgentBatch.objects.filter(cluster_id=f.cluster_id, agent_id=f.node.agent_id, sent_at__isnull=False,
+                                      received_at__gte=_dt(t0), received_at__lte=_dt(t1))
+            .order_by("-seq").values_list("received_at", "sent_at")[:MAX_POINTS_LEDGER])
+    pts = sorted((r.timestamp(), (r - s).total_seconds()) for r, s in rows)
+    if not pts:
+        return []
+    xs = em.clean([p[0] for p in pts], 3)
+    metrics = (f.evidence or {}).get("metrics") or {}
+    lag = float(metrics.get("ingest_lag_s") or 0.0)
+    lines = const(f"the cluster's {lag:g} s + clock_behind_s {t.clock_behind_s:g}", lag + t.clock_behind_s, xs)
+    return [panel("arrival_delay", f"Seconds from {f.node.hostname}'s sent_at to this server's receipt, per batch",
+                  "time", "arrived after (s)", [line("arrival delay", "subject", xs, em.clean([p[1] for p in pts], 2))],
+                  lines, window=evidence_window(f))]
+
+
+MAX_POINTS_LEDGER = 2000  # the node's newest batches a clock_skew chart draws
+
+
 # -- NCCL --------------------------------------------------------------------------------------------------------
 
 def _nccl(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
@@ -651,6 +675,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "node_down": ("silent_min_s", "silent_intervals", "heartbeat_s", "ingest_lag_max_s", "probe_loss_frac",
                   "probe_lost_rounds"),
     "cluster_silent": ("silent_min_s", "silent_intervals", "heartbeat_s"),
+    "clock_skew": ("clock_behind_s", "clock_spread_s", "clock_batches", "heartbeat_s"),
     "rank_down": ("beat_silent_s", "beat_suspect_s"), "hang": ("hang_steps", "hang_min_s"),
     "nccl_config": ("ib_timeout_min", "ib_timeout_scale_ranks"), "congestion": (),
     "checkpoint_overdue": ("ckpt_slack_steps", "ckpt_slack_frac", "ckpt_max_age_s", "gpu_hour_usd"),
@@ -660,7 +685,7 @@ PARAMS: dict[str, tuple[str, ...]] = {
 BUILDERS: dict[str, Callable[[Finding, Thresholds, float, float], list[dict[str, Any]]]] = {
     "data_starvation": _starvation, "straggler": _late_panels, "slow_link": _slow_link,
     "failing_gpu": _failing_gpu, "throttling": _throttling, "node_down": _node_down,
-    "cluster_silent": _cluster_silent, "rank_down": _stall,
+    "cluster_silent": _cluster_silent, "clock_skew": _clock_skew, "rank_down": _stall,
     "hang": _stall, "nccl_config": _nccl, "checkpoint_overdue": _checkpoint, "memory_pressure": _memory,
     "efficiency": _efficiency, "congestion": _congestion,
 }

@@ -90,6 +90,12 @@ def _cluster_silent(m: dict[str, Any], e: dict[str, Any]) -> str:
                  f"batches arrive {lag:.0f} s late" if lag is not None and lag >= 1 else None)
 
 
+def _clock_skew(m: dict[str, Any], e: dict[str, Any]) -> str:
+    behind, spread = _num(m.get("behind_s")), _num(m.get("delay_spread_s"))
+    return _join(f"clock {behind:.0f} s behind" if behind is not None else None,
+                 f"steady within {spread:.1f} s" if spread is not None else None)
+
+
 def _stall(m: dict[str, Any], e: dict[str, Any]) -> str:
     stalled, med = _num(m.get("stalled_s")), _num(m.get("median_step_s"))
     silent = _num(m.get("silent_s"))
@@ -127,8 +133,8 @@ def _efficiency(m: dict[str, Any], e: dict[str, Any]) -> str:
 
 LINES: dict[str, Callable[[dict[str, Any], dict[str, Any]], str]] = {
     "straggler": _straggler, "data_starvation": _starvation, "throttling": _throttling, "failing_gpu": _failing_gpu,
-    "slow_link": _slow_link, "node_down": _node_down, "cluster_silent": _cluster_silent, "rank_down": _stall,
-    "hang": _stall, "memory_pressure": _memory,
+    "slow_link": _slow_link, "node_down": _node_down, "cluster_silent": _cluster_silent, "clock_skew": _clock_skew,
+    "rank_down": _stall, "hang": _stall, "memory_pressure": _memory,
     "checkpoint_overdue": _checkpoint, "nccl_config": _nccl, "efficiency": _efficiency,
 }
 

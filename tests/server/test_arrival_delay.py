@@ -21,6 +21,7 @@ from dashboard.diagnosis.models import Finding
 from dashboard.diagnosis.tasks import run_pass
 from dashboard.ingest.writer import store_batch
 from dashboard.telemetry.models import AgentBatch, Node
+from dashboard.web.evidence_headline import headline
 from tests.server.conftest import World
 
 pytestmark = pytest.mark.django_db
@@ -49,7 +50,7 @@ def feed(world: World, stop: dict[str, float], delay: dict[str, float], start: f
 def test_the_loader_reads_each_nodes_newest_arrival_delay_and_the_clusters_median(world: World) -> None:
     now = time.time()
     feed(world, {"node-002": 30.0}, {"node-001": 12.0, "node-002": 3600.0}, now - SECONDS)
-    delays, lag = loader._ingest_delays(world.cluster.id, now + 1, NODES)
+    delays, lag, _ = loader._ingest_delays(world.cluster.id, now + 1, NODES)
     assert delays["node-001"] == pytest.approx(12.0, abs=1e-3)
     assert delays["node-000"] == pytest.approx(0.05, abs=1e-3)
     # Its newest batch (an hour late: received an hour after the pass) is not yet received as of the pass; the one
@@ -76,7 +77,7 @@ def test_without_the_delay_the_late_node_would_be_named(world: World, monkeypatc
     """The same history with the ledger's delays hidden from the pass: what the server said before it read them."""
     now = time.time()
     feed(world, {"node-001": 25.0, "node-005": 25.0}, {"node-001": 25.0}, now - SECONDS)
-    monkeypatch.setattr(loader, "_ingest_delays", lambda *_: ({}, 0.0))
+    monkeypatch.setattr(loader, "_ingest_delays", lambda *_: ({}, 0.0, {}))
     res = run_pass(world.cluster, now)
     assert res.changes is not None
     assert sorted(f.subject for f in res.changes.opened if f.kind == "node_down") == ["node-001", "node-005"]
@@ -111,7 +112,7 @@ def test_behind_a_late_server_a_node_silent_less_than_the_heartbeat_and_the_lag_
     now = time.time()
     late_server(world, now, stopped=22.0)  # past 15 s, not past 15 s + 12 s
     if not read_delays:  # what the server said before it read the delays: down
-        monkeypatch.setattr(loader, "_ingest_delays", lambda *_: ({}, 0.0))
+        monkeypatch.setattr(loader, "_ingest_delays", lambda *_: ({}, 0.0, {}))
     res = run_pass(world.cluster, now)
     assert res.changes is not None
     assert [f.subject for f in res.changes.opened if f.kind == "node_down"] == ([] if read_delays else ["node-001"])
@@ -129,3 +130,49 @@ def test_a_cluster_whose_batches_all_arrive_late_is_this_server_behind(world: Wo
     f = Finding.objects.get(kind="cluster_silent")
     assert f.title.startswith("this server receives the cluster's batches 20 s late")
     assert f.evidence["metrics"]["ingest_lag_s"] == pytest.approx(20.0, abs=0.1)
+
+
+def behind(batch: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """The batch as a node whose clock runs ``seconds`` behind would have stamped it."""
+    out = dict(batch, sent_at=batch["sent_at"] - seconds)
+    for key, value in batch.items():
+        if isinstance(value, list) and value and isinstance(value[0], dict) and "ts" in value[0]:
+            out[key] = [dict(r, ts=r["ts"] - seconds) for r in value]
+    return out
+
+
+def skewed_node(world: World, now: float) -> None:
+    """NODES nodes for SECONDS up to ``now``; node-003's clock runs 300 s behind: every batch it sends arrives (on
+    this server's clock) 300 s after the times it stamps."""
+    sim = SimCluster(parse({"cluster": {"nodes": NODES, "gpus_per_node": 2, "run": "llm", "seed": 5}}), now - SECONDS)
+    for t in range(1, SECONDS + 1):
+        for batch in sim.tick(now - SECONDS + t):
+            skewed = batch["host"] == "node-003"
+            store_batch(world.cluster, wire.validate_batch(behind(batch, 300.0) if skewed else batch))
+    for b in AgentBatch.objects.filter(cluster=world.cluster):  # each arrived 50 ms after it was really sent
+        real = b.sent_at + timedelta(seconds=300.0 if b.host == "node-003" else 0.0)
+        AgentBatch.objects.filter(id=b.id).update(received_at=real + timedelta(seconds=0.05))
+
+
+def test_a_node_whose_clock_is_behind_is_named_clock_skew_and_not_down(world: World, client: Any) -> None:
+    """Before the pass read its arrivals node-003 was named down (silent 300 s, past the heartbeat and the 120 s
+    cap); its evidence is its batches' arrival delays, flat."""
+    now = time.time()
+    skewed_node(world, now)
+    w = loader.load_window(world.cluster, now + 0.5)
+    assert list(w.arrivals) == ["node-003"] and len(w.arrivals["node-003"]) == loader.ARRIVALS_BATCHES
+    assert w.arrivals["node-003"][:, 1] == pytest.approx(300.05, abs=1e-3)
+    res = run_pass(world.cluster, now + 0.5)
+    assert res.changes is not None
+    opened = [(f.kind, f.subject) for f in res.changes.opened if f.kind in ("clock_skew", "node_down")]
+    assert opened == [("clock_skew", "node-003")], [(f.kind, f.subject, f.title) for f in res.changes.opened]
+    f = Finding.objects.get(kind="clock_skew")
+    assert f.title.startswith("node-003's clock is 300 s behind") and f.severity == "warning"
+    assert f.node is not None and f.node.hostname == "node-003"
+    client.force_login(world.teammate)
+    got = client.get(f"/api/v1/findings/{f.id}").json()
+    panel = got["chart"]["panels"][0]
+    assert panel["id"] == "arrival_delay" and panel["breach"]["over"] is True
+    assert min(panel["series"][0]["y"]) == pytest.approx(300.05, abs=0.01)
+    assert panel["thresholds"][0]["value"] == pytest.approx(30.05, abs=0.06)  # the lag as stored, to 0.1 s
+    assert headline(f).startswith("clock 300 s behind")  # the line the overview and lists show

@@ -13,7 +13,7 @@ from dashboard.diagnosis.models import Finding
 from dashboard.diagnosis.tasks import run_pass
 from tests.server import browser
 from tests.server.conftest import AsgiServer, World
-from tests.server.test_arrival_delay import late_server
+from tests.server.test_arrival_delay import late_server, skewed_node
 from tests.server.test_page_finding_browser import server  # noqa: F401 - the fixture: the real server, no own pass
 
 pytestmark = pytest.mark.browser
@@ -43,3 +43,31 @@ def test_the_finding_page_draws_the_heartbeat_plus_the_arrival_delay(
     assert "arrive" in page.inner_text("#f-title")
     browser.no_js_errors(page)
     browser.keep_screenshot(page, "finding-late-node", tmp_path)
+
+
+DELAYS = """() => document.getElementById('panel-arrival_delay').data.map((t) => ({meta: t.meta, name: t.name,
+  y: t.y.filter((v) => v !== null)}))"""
+
+
+def test_the_finding_page_of_a_clock_behind_draws_its_batches_arrival_delays(
+        server: AsgiServer, world: World, page: Any, tmp_path: Any) -> None:  # noqa: F811
+    def work() -> None:
+        now = time.time()
+        skewed_node(world, now)
+        run_pass(world.cluster, now + 0.5)
+
+    browser.elsewhere(work)
+    f = Finding.objects.get(kind="clock_skew")
+    assert not Finding.objects.filter(kind="node_down").exists()
+
+    browser.sign_in(page, server.url, world.owner.username, world.password, f"/findings/{f.id}/")
+    page.wait_for_function("(document.getElementById('panel-arrival_delay') || {}).data !== undefined")
+    traces = page.evaluate(DELAYS)
+    delay = next(t for t in traces if t["meta"] == "subject")
+    assert len(delay["y"]) >= 12 and min(delay["y"]) > 299.0, delay
+    limit = next(t for t in traces if t["name"].endswith("clock_behind_s 30"))
+    assert set(limit["y"]) == {30.1}, limit
+    assert "clock is 300 s behind" in page.inner_text("#f-title")
+    assert "chronyc" in page.inner_text("body")
+    browser.no_js_errors(page)
+    browser.keep_screenshot(page, "finding-clock-skew", tmp_path)

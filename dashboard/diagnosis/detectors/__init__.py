@@ -16,13 +16,13 @@ from dashboard.diagnosis.detectors.gpu import failing_gpus, throttling
 from dashboard.diagnosis.detectors.groups import exposed_comm, late_in_groups
 from dashboard.diagnosis.detectors.loss import loss_spikes
 from dashboard.diagnosis.detectors.nccl import nccl_config
-from dashboard.diagnosis.detectors.network import cluster_silence, nodes_down, slow_links
+from dashboard.diagnosis.detectors.network import clocks_behind, cluster_silence, nodes_down, slow_links
 from dashboard.diagnosis.detectors.paths import covered_nodes, slow_paths
 from dashboard.diagnosis.detectors.steps import checkpoint_risk, efficiency, hang, late_ranks, memory_pressure
 from dashboard.diagnosis.detectors.window import Window
 
 KINDS = ("data_starvation", "straggler", "slow_link", "failing_gpu", "throttling", "node_down", "cluster_silent",
-         "rank_down", "hang", "nccl_config", "congestion",
+         "clock_skew", "rank_down", "hang", "nccl_config", "congestion",
          "checkpoint_overdue", "memory_pressure", "efficiency", "exposed_comm", "loss_spike")
 
 __all__ = ["KINDS", "Detection", "Thresholds", "Window", "run_all"]
@@ -65,7 +65,8 @@ def run_all(w: Window, t: Thresholds | None = None) -> list[Detection]:
         # ... which already takes back the delay every node's batches share: only what a node's exceeds it by counts.
         shift = w.now - freshest
         w = dataclasses.replace(w, now=freshest, ingest_lag_s=max(0.0, w.ingest_lag_s - shift),
-                                ingest_delay={h: max(0.0, d - shift) for h, d in w.ingest_delay.items()})
+                                ingest_delay={h: max(0.0, d - shift) for h, d in w.ingest_delay.items()},
+                                arrivals={h: a - shift for h, a in w.arrivals.items()})
     down = nodes_down(w, t, ranks_on)
     gpus = failing_gpus(w, t)
     excused = _excused(w, down, gpus)
@@ -100,6 +101,8 @@ def run_all(w: Window, t: Thresholds | None = None) -> list[Detection]:
     out += efficiency(w, t)
     if silence is not None:
         out.append(silence)
+    else:  # a whole cluster silent is this server's or the network's story, not one node's clock
+        out += clocks_behind(w, t)
     seen: dict[tuple[str, str], Detection] = {}
     for d in out:
         seen.setdefault(d.key, d)

@@ -66,6 +66,13 @@ class Thresholds:
     # ... plus how late its batches reach this server (its own newest batch's delay, or the cluster's median), up
     # to this: a server behind on ingest, or a node whose clock runs behind, is not a node down.
     ingest_lag_max_s: float = 120.0
+    # Clock behind: a node whose newest batches all arrive at least clock_behind_s later than the cluster's, at a
+    # steady delay (all within clock_spread_s), the newest within heartbeat_s: its clock runs that far
+    # behind (an agent replaying its spool catches up, so its delays fall). Such a node is silent only once its
+    # batches stop arriving.
+    clock_behind_s: float = 30.0
+    clock_spread_s: float = 5.0
+    clock_batches: int = 3
     probe_loss_frac: float = 0.8
     # ... in the newest probes to it: at least this many rounds (one peer's, or several peers') since the last that
     # reached it, so one peer's lost round alone (a loaded prober) never names a node down.

@@ -1,4 +1,4 @@
-"""Network and liveness detectors: node down / agent silent, and slow or flapping links.
+"""Network and liveness detectors: node down / agent silent, a node's clock behind, and slow or flapping links.
 
 A network fault shows in the pairwise probes, not in any one rank's timing (the all-reduce slows everyone alike).
 A pair is *bad* when its RTT, loss or bulk bandwidth is far from the cluster's quiet baseline; the node to blame is
@@ -124,7 +124,54 @@ def arrival_slack(w: Window, t: Thresholds, host: str) -> float:
     whose clock runs behind. At 2,048 nodes a server 15 s behind named a thousand healthy nodes down, each a page.
     A dead node's batches stop arriving at all; with a server that keeps up it is named as before, and behind one it
     is named that many seconds later. The probe path (peers losing it) needs no slack: it is evidence, not silence."""
+    behind = clock_behind(w, t, host)
+    if behind is not None:  # its data is that much older than it looks, for as long as its batches keep arriving
+        return w.ingest_lag_s + behind
     return min(t.ingest_lag_max_s, w.arrival_delay(host))
+
+
+def clock_behind(w: Window, t: Thresholds, host: str) -> float | None:
+    """Seconds the node's clock runs behind this server's (beyond the delay every node's batches share), or None.
+
+    Its newest ``clock_batches`` or more batches (``Window.arrivals``) each arrived ``clock_behind_s`` or more after
+    the ``sent_at`` it stamped, the cluster's median delay taken off, at a steady delay (within ``clock_spread_s``),
+    and the newest within ``heartbeat_s``. A steady delay is the clock: a batch crossing a network or a queue for
+    minutes would time out, and an agent replaying its spool sends faster than it sampled, so there the delays fall
+    batch by batch."""
+    a = w.arrivals.get(host)
+    if a is None or len(a) < t.clock_batches or w.now - float(a[:, 0].max()) > t.heartbeat_s:
+        return None
+    delays = a[:, 1]
+    behind = float(np.median(delays)) - w.ingest_lag_s
+    if behind < t.clock_behind_s or float(delays.max() - delays.min()) > t.clock_spread_s:
+        return None
+    return behind
+
+
+def clocks_behind(w: Window, t: Thresholds) -> list[Detection]:
+    """One finding a node whose clock runs behind (:func:`clock_behind`): its samples, steps and events sit that
+    many seconds early on every chart, the window reads little or none of them, and its silence cannot be judged by
+    its samples' age (``nodes_down`` waits for its batches to stop arriving instead)."""
+    out = []
+    for host in sorted(w.arrivals):
+        behind = clock_behind(w, t, host)
+        if behind is None:
+            continue
+        a = w.arrivals[host]
+        title = (f"{host}'s clock is {behind:.0f} s behind this server's: its batches arrive {behind:.0f} s after "
+                 "the times it stamps on them")
+        action = ("Fix the node's time sync (chronyc tracking / timedatectl timesync-status: is chronyd or "
+                  "systemd-timesyncd running and reaching its NTP or PTP source?). Until then its GPU samples, steps "
+                  f"and events are stored {behind:.0f} s early: misaligned with the other nodes on every chart, "
+                  "outside the diagnosis window, and its ranks' step times skewed against theirs.")
+        out.append(Detection(
+            "clock_skew", "node", host, "warning", title, action,
+            {"metrics": {"behind_s": rnd(behind, 1), "arrival_delay_s": rnd(float(np.median(a[:, 1])), 1),
+                         "ingest_lag_s": rnd(w.ingest_lag_s, 1), "batches": len(a),
+                         "delay_spread_s": rnd(float(a[:, 1].max() - a[:, 1].min()), 2)},
+             "window": [rnd(float(a[0, 0])), rnd(w.now)]},
+            0.85, node=host))
+    return out
 
 
 def cluster_silence(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) -> tuple[float | None,

@@ -138,6 +138,10 @@ class Window:
     # could have arrived by now, not against the server's clock alone (``nodes_down``). Empty / 0 when unknown.
     ingest_delay: dict[str, float] = field(default_factory=dict)
     ingest_lag_s: float = 0.0
+    # host -> [n x 2] (arrival on this server's clock, seconds after its sent_at), oldest first, of the newest batches
+    # of each node whose newest batch arrived well after the cluster's (``loader._arrivals``; usually none): a steady
+    # delay is the node's clock behind, a falling one its agent replaying a spool (``network.clock_behind``).
+    arrivals: dict[str, np.ndarray] = field(default_factory=dict)
 
     def node_index(self) -> dict[str, int]:
         return {h: i for i, h in enumerate(self.nodes)}

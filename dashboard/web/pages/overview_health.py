@@ -238,6 +238,8 @@ def _headline_network(kind: str, m: dict[str, Any]) -> str | None:
         lag = m.get("ingest_lag_s")
         late = f"; their batches reach this server {float(lag):.0f} s late" if _have(m, "ingest_lag_s") and lag >= 1 else ""
         return f"all {int(m['nodes']):,} nodes silent {float(m['silent_s']):.0f} s{ranks}{late}"
+    if kind == "clock_skew" and _have(m, "behind_s"):
+        return f"clock {float(m['behind_s']):.0f} s behind this server's; its batches still arrive"
     if kind == "slow_link":
         if m.get("port"):
             errs = ", ".join(f"{k} {v}" for k, v in sorted((m.get("errors") or {}).items())[:2])
