@@ -5,7 +5,8 @@ Python's sqlite3 releases the GIL around every ``sqlite3_step``, so an ``execute
 times. A thread that wants it back while another thread is running Python waits until that thread drops it: at a
 blocking call, or when the switch interval (``sys.getswitchinterval()``, 5 ms) forces it. Against a thread that never
 blocks, that is one row per 5 ms. ``dashboard.ingest.writer`` therefore puts ``SQLITE_ROWS_PER_STATEMENT`` rows in
-each INSERT on SQLite: one hand-back per that many rows.
+each INSERT on SQLite, and the rows past the last whole statement in statements of 2**k rows
+(:func:`dashboard.ingest.statements.statement_sizes`, which this benchmark uses): a few hand-backs per commit.
 
 For each layout (one row per statement, then ``--rows`` rows per statement), the writer stores the migrated GPU
 samples table's rows (one node's second is 8 rows; commits of ``--commit`` rows) for ``--seconds``, alone and then
@@ -13,7 +14,7 @@ beside a thread that runs Python without blocking, and prints rows a second, the
 ratios.
 
     python benchmarks/sqlite_convoy.py
-    python benchmarks/sqlite_convoy.py --rows 16 --seconds 5
+    python benchmarks/sqlite_convoy.py --rows 64 --commit 2048 --seconds 5
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from functools import cache
 from itertools import chain
 from pathlib import Path
 
@@ -34,6 +37,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from sqlite_index import TABLES, schema, second  # noqa: E402
+
+from dashboard.ingest.statements import statement_sizes  # noqa: E402
 
 
 def busy(stop: threading.Event) -> None:
@@ -44,20 +49,18 @@ def busy(stop: threading.Event) -> None:
             x += i
 
 
-def store(db: sqlite3.Connection, sql: str, one: str, rows: list[list[object]], per: int, commit: int,
+def store(db: sqlite3.Connection, sql: Callable[[int], str], rows: list[list[object]], per: int, commit: int,
           seconds: float) -> tuple[float, float]:
     """Rows a second and the writer thread's CPU µs per row, committing ``commit`` rows at a time for ``seconds``."""
     n, t0, c0 = 0, time.perf_counter(), time.thread_time()
     while time.perf_counter() - t0 < seconds:
         for start in range(0, len(rows), commit):
             part = rows[start:start + commit]
-            whole = len(part) - len(part) % per
             db.execute("BEGIN")
-            if per > 1 and whole:
-                db.executemany(sql, [list(chain.from_iterable(part[i:i + per])) for i in range(0, whole, per)])
-                db.executemany(one, part[whole:])
-            else:
-                db.executemany(one, part)
+            at = 0
+            for size in statement_sizes(len(part), per):  # the group writer's layout
+                db.execute(sql(size), list(chain.from_iterable(part[at:at + size])))
+                at += size
             db.execute("COMMIT")
             n += len(part)
     return n / (time.perf_counter() - t0), (time.thread_time() - c0) / n * 1e6
@@ -83,7 +86,7 @@ def measure(args: argparse.Namespace, per: int, beside_busy: bool) -> tuple[floa
             spinner.start()
         out: list[tuple[float, float]] = []
         writer = threading.Thread(target=lambda: out.append(store(
-            db, head + ", ".join([one_row] * per), head + one_row, rows, per, args.commit, args.seconds)))
+            db, cache(lambda n: head + ", ".join([one_row] * n)), rows, per, args.commit, args.seconds)))
         writer.start()
         writer.join()
         stop.set()
@@ -97,9 +100,10 @@ def measure(args: argparse.Namespace, per: int, beside_busy: bool) -> tuple[floa
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=64, help="rows per statement of the second layout")
+    p.add_argument("--rows", type=int, default=512, help="rows per statement of the second layout (the writer's)")
     p.add_argument("--nodes", type=int, default=256, help="nodes x 8 GPU rows stored over and over")
-    p.add_argument("--commit", type=int, default=2048, help="rows per commit")
+    p.add_argument("--commit", type=int, default=1592, help="rows per commit (199 nodes' GPUs: a group is rarely "
+                   "a multiple of the rows per statement)")
     p.add_argument("--seconds", type=float, default=4.0, help="per measurement")
     args = p.parse_args()
     print(f"GPU sample rows, commits of {args.commit}, {args.seconds:g} s each, switch interval "

@@ -23,6 +23,7 @@ from django.db import DatabaseError, IntegrityError, connection, models, transac
 from django.db.models import Q
 
 from clusterdx import wire
+from dashboard.ingest.statements import statement_sizes
 from dashboard.live.publish import publish_batches, publisher
 from dashboard.telemetry import models as m
 from dashboard.telemetry.tasks import purged_through
@@ -494,7 +495,7 @@ def _json_pg(value: Any) -> Any:
 
 
 # Rows per INSERT statement on SQLite (see _Table.insert).
-SQLITE_ROWS_PER_STATEMENT = 64
+SQLITE_ROWS_PER_STATEMENT = 512
 
 
 class _Table:
@@ -513,13 +514,14 @@ class _Table:
         quote = connection.ops.quote_name
         columns = ", ".join(quote(f.column) for f in fields)
         self.copy = connection.vendor == "postgresql"
-        one = f"({', '.join(['%s'] * len(fields))})"
-        self.sql = (f"COPY {quote(model._meta.db_table)} ({columns}) FROM STDIN (FORMAT BINARY)" if self.copy else
-                    f"INSERT INTO {quote(model._meta.db_table)} ({columns}) VALUES {one}")
-        # SQLite: whole rows per statement (below SQLite's 32,766 bound values), see insert().
+        self.sql = f"COPY {quote(model._meta.db_table)} ({columns}) FROM STDIN (FORMAT BINARY)"
+        # SQLite: whole rows per statement (below SQLite's 32,766 bound values), see insert(). Its statements are
+        # written with sqlite3's own placeholders and run on the raw connection: Django's cursor rewrites every "%s"
+        # of a statement with a regular expression at each call (thousands of them in a statement of 512 rows).
         self.per_statement = max(1, min(SQLITE_ROWS_PER_STATEMENT, 32_766 // len(fields)))
-        self.sql_many = (f"INSERT INTO {quote(model._meta.db_table)} ({columns}) VALUES "
-                         f"{', '.join([one] * self.per_statement)}")
+        self._head = f"INSERT INTO {quote(model._meta.db_table)} ({columns}) VALUES "
+        self._row = f"({', '.join(['?'] * len(fields))})"
+        self._sqlite: dict[int, str] = {}  # rows per statement -> its text
         # The columns' PostgreSQL types by name ("double precision", "varchar(64)" -> "varchar"), for the binary
         # dumpers: a Python int bound for a smallint column must be sent as one.
         self.types = [re.sub(r"\(.*", "", f.db_type(connection) or "") for f in fields]
@@ -548,14 +550,26 @@ class _Table:
             adapt(rows, i, memo)
         # Python's sqlite3 hands the GIL back around every sqlite3_step, that is per row of an executemany; while the
         # event loop is busy (decoding the next posts) each hand-back can wait up to the switch interval (5 ms) to
-        # get it again. So a statement carries many rows: one hand-back per SQLITE_ROWS_PER_STATEMENT rows
-        # (benchmarks/sqlite_convoy.py: the rows a second a writer thread stores beside a busy thread).
-        k = self.per_statement
-        whole = len(rows) - len(rows) % k
+        # get it again. So a statement carries many rows, and the rows past the last whole statement go in a few
+        # statements too (statement_sizes), not one by one (benchmarks/sqlite_convoy.py: the rows a second a
+        # writer thread stores beside a busy thread).
+        sizes = statement_sizes(len(rows), self.per_statement)
+        whole = sizes.count(self.per_statement) if sizes else 0
+        raw = cursor.db.connection  # the sqlite3 connection; errors become Django's in _copy_cursor
         if whole:
-            cursor.executemany(self.sql_many, [list(chain.from_iterable(rows[i:i + k])) for i in range(0, whole, k)])
-        if whole < len(rows):
-            cursor.executemany(self.sql, rows[whole:])
+            k = self.per_statement
+            raw.executemany(self._statement(k), [list(chain.from_iterable(rows[i:i + k]))
+                                                 for i in range(0, whole * k, k)])
+        start = whole * self.per_statement
+        for size in sizes[whole:]:
+            raw.execute(self._statement(size), list(chain.from_iterable(rows[start:start + size])))
+            start += size
+
+    def _statement(self, rows: int) -> str:
+        sql = self._sqlite.get(rows)
+        if sql is None:
+            sql = self._sqlite[rows] = self._head + ", ".join([self._row] * rows)
+        return sql
 
 
 _tables: dict[str, _Table] = {}
