@@ -555,29 +555,42 @@ def _gpu_bus(cluster: m.Cluster) -> dict[tuple[str, str], int]:
     return out
 
 
-INGEST_DELAY_SPAN_S = 60.0  # the batches received this long before the pass say how late batches arrive now
+INGEST_DELAY_SPAN_S = 60.0  # the batches received this long before the pass say how late each node's arrive
+INGEST_LAG_RECENT_S = 5.0  # the nodes heard from within this of the freshest arrival say how late batches arrive now
 
 
 def _ingest_delays(cluster_id: int, now: float, nodes: int) -> tuple[dict[str, float], float, dict[str, str]]:
-    """host -> seconds from ``sent_at`` to arrival of its newest batch among the cluster's latest arrivals, the
-    median of those: how far behind this server receives (see ``network.arrival_slack``), and host -> the agent id
-    that sent that batch (:func:`_arrivals` follows it).
+    """host -> seconds from ``sent_at`` to arrival of its newest batch among the cluster's latest arrivals; how far
+    behind this server receives now (see ``network.arrival_slack``); and host -> the agent id that sent that batch
+    (:func:`_arrivals` follows it).
 
     The newest two batches a node, at most, along the (cluster, received_at) index, backwards: a few thousand rows
-    at 2,048 nodes. A node whose last batch is older than those gets the median, the cluster's lag; a node replaying
-    its spool (hours-old ``sent_at``) lifts only its own delay. Negative delays (a clock a little ahead) count as 0."""
+    at 2,048 nodes. A node whose last batch is older than those gets the cluster's lag; a node replaying its spool
+    (hours-old ``sent_at``) lifts only its own delay. Negative delays (a clock a little ahead) count as 0.
+
+    The lag is the median delay of the nodes whose newest batch arrived within INGEST_LAG_RECENT_S of the freshest
+    arrival: how late batches arrive *now*. A node not heard from since says nothing about that, and counting its
+    older, prompt batch diluted the lag exactly when it mattered: a server falling behind at the start of a
+    2,048-node run had ~700 nodes whose first batch still waited at its door, their newest the registration batch
+    received at once, and the median of all nodes put the lag at a third of the real one; 661-814 healthy nodes
+    were named down a run."""
     adapt = connection.ops.adapt_datetimefield_value
     # The delay in SQL, as epoch seconds: two datetimes a row through the ORM's converters cost ~70 ms at 2,048 nodes.
-    rows = _rows(m.AgentBatch, ["host", "agent_id", f"{_epoch('received_at')} - {_epoch('sent_at')}"],
+    received = _epoch("received_at")
+    rows = _rows(m.AgentBatch, ["host", "agent_id", received, f"{received} - {_epoch('sent_at')}"],
                  "cluster_id = %s AND received_at > %s AND received_at <= %s AND sent_at IS NOT NULL "
                  "ORDER BY received_at DESC LIMIT %s",
                  [cluster_id, adapt(_dt(now - INGEST_DELAY_SPAN_S)), adapt(_dt(now)), max(64, 2 * nodes)])
     delays: dict[str, float] = {}
     agents: dict[str, str] = {}
-    for host, agent_id, delay in rows:
+    current: list[float] = []  # the delays of the nodes heard from lately
+    since = float(rows[0][2]) - INGEST_LAG_RECENT_S if rows else 0.0
+    for host, agent_id, at, delay in rows:  # newest first: a host's first row is its newest batch
         if host not in delays:
             delays[host], agents[host] = max(0.0, float(delay)), agent_id
-    return delays, float(np.median(list(delays.values()))) if delays else 0.0, agents
+            if float(at) >= since:
+                current.append(delays[host])
+    return delays, float(np.median(current)) if current else 0.0, agents
 
 
 ARRIVALS_EXCESS_S = 10.0  # a node whose newest batch is this much later than the cluster's gets its recent arrivals

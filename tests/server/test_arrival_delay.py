@@ -11,6 +11,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import pytest
 
 from clusterdx import wire
@@ -116,6 +117,24 @@ def test_behind_a_late_server_a_node_silent_less_than_the_heartbeat_and_the_lag_
     res = run_pass(world.cluster, now)
     assert res.changes is not None
     assert [f.subject for f in res.changes.opened if f.kind == "node_down"] == ([] if read_delays else ["node-001"])
+
+
+def test_the_lag_is_how_late_batches_arrive_now_and_nodes_not_heard_since_do_not_dilute_it(world: World) -> None:
+    """What a server falling behind at a run's start looked like (2,048 nodes: 661-814 healthy nodes named down a
+    run): the batches arriving now are 12 s late (node-001 and node-002), node-000's on time, and node-003..005 have
+    not been heard for 18 s, their newest batch received on time before the backlog. Counting those three old, prompt
+    batches puts the lag at 0.05 s and names them down at 18 s > 15 s; the nodes heard lately say 12 s, so the three
+    are silent 18 s < 15 + 12 and are not named yet."""
+    now = time.time()
+    late = {"node-001": 12.0, "node-002": 12.0}
+    feed(world, {**late, "node-003": 18.0, "node-004": 18.0, "node-005": 18.0}, late, now - SECONDS)
+    delays, lag, _ = loader._ingest_delays(world.cluster.id, now, NODES)
+    assert delays["node-003"] == pytest.approx(0.05, abs=1e-3) and delays["node-001"] == pytest.approx(12.0, abs=1e-3)
+    assert float(np.median(list(delays.values()))) == pytest.approx(0.05, abs=1e-3), "every node's newest: diluted"
+    assert lag == pytest.approx(12.0, abs=1e-3)
+    res = run_pass(world.cluster, now)
+    assert res.changes is not None
+    assert [(f.kind, f.subject) for f in res.changes.opened] == []
 
 
 def test_a_cluster_whose_batches_all_arrive_late_is_this_server_behind(world: World) -> None:
