@@ -626,16 +626,25 @@ def _last_heard(w: Window, nodes_rows: list[tuple[Any, ...]], index: dict[str, i
     for host, h in w.hosts.items():
         newest[index[host]] = max(newest[index[host]], h["ts"])
     out = {}
-    for _, host, agent_id, last_seen in nodes_rows:
+    unheard = []
+    for node_id, host, agent_id, last_seen in nodes_rows:
         heard = float(newest[index[host]])
-        if not np.isfinite(heard):
-            # Nothing in the window: silent for at least the window. Only nodes with an agent are expected to
-            # report; a training process posting directly ("hook-..." agent ids) sends steps, which name no node.
-            if not agent_id or agent_id.startswith("hook-") or last_seen is None or \
-                    last_seen < _dt(now) - timedelta(seconds=EXPECTED_NODE_S):
-                continue
-            # last_seen is when its last batch arrived (this server's clock): as of the node's own clock, that
-            # batch's delay earlier, as the silence of the nodes heard in the window is measured.
-            heard = min(last_seen.timestamp() - w.arrival_delay(host), now - SPANS["gpus"])
-        out[host] = heard
+        if np.isfinite(heard):
+            out[host] = heard
+        # Nothing in the window: silent for at least the window. Only nodes with an agent are expected to report; a
+        # training process posting directly ("hook-..." agent ids) sends steps, which name no node.
+        elif agent_id and not agent_id.startswith("hook-") and last_seen is not None and \
+                last_seen >= _dt(now) - timedelta(seconds=EXPECTED_NODE_S):
+            unheard.append((node_id, host, last_seen))
+    # The window says how long such a node has sent nothing by the span of what it sends: a node with GPUs sends
+    # their rows every second (read for 20 s), one without only host samples (read for 10 s). Putting every such
+    # node at the GPU span named down, 8 s early, a node whose newest word was a 12 s old host sample (a CPU-only
+    # node; at a 2,048-node benchmark's start, 165 nodes whose registration was all they had sent yet).
+    with_gpus = set(m.Gpu.objects.filter(node_id__in=[n for n, _, _ in unheard]).values_list("node_id", flat=True)
+                    .distinct()) if unheard else set()
+    for node_id, host, last_seen in unheard:
+        span = SPANS["gpus"] if node_id in with_gpus else SPANS["hosts"]
+        # last_seen is when its last batch arrived (this server's clock): as of the node's own clock, that batch's
+        # delay earlier, as the silence of the nodes heard in the window is measured.
+        out[host] = min(last_seen.timestamp() - w.arrival_delay(host), now - span)
     return out

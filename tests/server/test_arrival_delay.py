@@ -8,7 +8,7 @@ receiving them would have (the test stores in a second what took a minute)."""
 from __future__ import annotations
 
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ from dashboard.diagnosis.tasks import run_pass
 from dashboard.ingest.writer import store_batch
 from dashboard.telemetry.models import AgentBatch, Node
 from dashboard.web.evidence_headline import headline
-from tests.server.conftest import World
+from tests.server.conftest import World, make_batch
 
 pytestmark = pytest.mark.django_db
 
@@ -135,6 +135,30 @@ def test_the_lag_is_how_late_batches_arrive_now_and_nodes_not_heard_since_do_not
     res = run_pass(world.cluster, now)
     assert res.changes is not None
     assert [(f.kind, f.subject) for f in res.changes.opened] == []
+
+
+def test_a_node_whose_newest_sample_is_a_host_sample_past_its_span_is_silent_since_it(world: World) -> None:
+    """Host samples are read for 10 s, GPU rows for 20 s. A node whose newest word is a host sample 13.5 s old (a
+    CPU-only node; at a 2,048-node benchmark's start, the registration that was all 165 nodes had sent yet) has
+    nothing in the window, and is placed at its last batch's arrival less its delay: silent 13.5 s, not yet past the
+    15 s heartbeat. It was put at the GPU span, 20 s, and named down. (A node with GPUs still is: it sends their
+    rows every second, test_without_the_delay_the_late_node_would_be_named.)"""
+    now = time.time()
+    store_batch(world.cluster, wire.validate_batch(make_batch(1, host="node-a")))
+    then = now - 13.5
+    store_batch(world.cluster, wire.validate_batch(make_batch(1, host="node-x", sent_at=then, gpus=[], steps=[],
+                                                              hosts=[{"ts": then, "cpu_pct": 3.0}])))
+    arrived = datetime.fromtimestamp(then + 0.05, tz=UTC)
+    AgentBatch.objects.filter(host="node-x").update(received_at=arrived)
+    Node.objects.filter(hostname="node-x").update(last_seen=arrived)
+    w = loader.load_window(world.cluster, now)
+    assert w.last_heard["node-x"] == pytest.approx(then, abs=0.01)
+    res = run_pass(world.cluster, now)
+    assert res.changes is not None
+    assert [(f.kind, f.subject) for f in res.changes.opened if f.kind == "node_down"] == []
+    res = run_pass(world.cluster, now + 2.5)  # silent 16 s, past the heartbeat (node-a heard within 3 s: no shift)
+    assert res.changes is not None
+    assert [(f.kind, f.subject) for f in res.changes.opened if f.kind == "node_down"] == [("node_down", "node-x")]
 
 
 def test_a_cluster_whose_batches_all_arrive_late_is_this_server_behind(world: World) -> None:
