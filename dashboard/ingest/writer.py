@@ -229,15 +229,15 @@ class _Inventory:
             return
         have = {(n, i): (u, name, pci) for n, i, u, name, pci in m.Gpu.objects.filter(
             node_id__in={n for n, _ in new}).values_list("node_id", "index", "uuid", "name", "pci_bus_id")}
-        create = []
+        create: list[list[Any]] = []  # GPU_INVENTORY_COLS: rows, not model instances (16,384 at a server's start)
         for (node_id, index), (key, want) in new.items():
             if (node_id, index) not in have:
-                create.append(m.Gpu(node_id=node_id, index=index, uuid=want[0], name=want[1], pci_bus_id=want[2]))
+                create.append([node_id, index, *want])
             elif have[(node_id, index)] != want:  # a GPU swapped in that slot: rare
                 m.Gpu.objects.filter(node_id=node_id, index=index).update(uuid=want[0], name=want[1], pci_bus_id=want[2])
             self.after_commit(self.gpus, key)
         # Another process inserting the same GPU meanwhile fails this group's commit; it is then stored batch by batch.
-        _copy_in(m.Gpu, GPU_INVENTORY_COLS, [[g.node_id, g.index, g.uuid, g.name, g.pci_bus_id] for g in create])
+        _copy_in(m.Gpu, GPU_INVENTORY_COLS, create)
 
     def run_id(self, cluster: m.Cluster, name: str, memo: dict[tuple[int, str], int] | None = None) -> int:
         key = (cluster.id, name)
