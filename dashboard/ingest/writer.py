@@ -26,7 +26,7 @@ from clusterdx import wire
 from dashboard.ingest.statements import statement_sizes
 from dashboard.live.publish import publish_batches, publisher
 from dashboard.telemetry import models as m
-from dashboard.telemetry.tasks import purged_through
+from dashboard.telemetry.tasks import purged_among, purged_through
 
 log = logging.getLogger(__name__)
 _encode_json = msgspec.json.Encoder().encode
@@ -111,6 +111,31 @@ class _Inventory:
                 memo[key] = node_id
         return node_id
 
+    def prefetch_nodes(self, hosts: list[tuple[m.Cluster, str]], memo: dict[tuple[int, str], int],
+                       places: dict[int, dict[str, str] | None]) -> None:
+        """The ids of a group's nodes that this process has not cached, in one read per cluster, into ``memo``, and
+        the places the rows hold into ``places`` (node id -> rack/switch/spine, None: placed by a file).
+
+        A server that restarts under 2,048 nodes meets every one of them in its first seconds: a SELECT each for its
+        id and an UPDATE each to (re)place it, statements that hand the GIL back and forth while the event loop
+        decodes posts, held the first groups back for seconds. New nodes are still created one by one (get_or_create:
+        an uploaded topology file places them on creation, see telemetry.placement)."""
+        wanted: dict[int, set[str]] = {}
+        for cluster, host in hosts:
+            key = (cluster.id, host)
+            if key not in self.nodes and key not in memo:
+                wanted.setdefault(cluster.id, set()).add(host)
+        for cluster_id, names in wanted.items():
+            ordered = sorted(names)
+            for start in range(0, len(ordered), 1000):  # bound values per statement
+                for node_id, host, *place, placed_by in m.Node.objects.filter(
+                        cluster_id=cluster_id, hostname__in=ordered[start:start + 1000]).values_list(
+                        "id", "hostname", "rack", "switch", "spine", "placed_by"):
+                    memo[(cluster_id, host)] = node_id
+                    self.after_commit(self.nodes, (cluster_id, host), node_id)
+                    places[node_id] = None if placed_by == "file" else {
+                        k: v for k, v in zip(("rack", "switch", "spine"), place, strict=True) if v}
+
     def seen_due(self, node_id: int) -> bool:
         """Whether the node's ``last_seen`` is due for a write (at most every LAST_SEEN_EVERY_S); notes it if so."""
         now = time.monotonic()
@@ -123,17 +148,25 @@ class _Inventory:
         if self.seen_due(node_id):
             m.Node.objects.filter(id=node_id).update(last_seen=when)
 
-    def place_node(self, node_id: int, topology: dict[str, Any] | None) -> None:
+    def place_node(self, node_id: int, topology: dict[str, Any] | None,
+                   stored: dict[int, dict[str, str] | None] | None = None) -> None:
         """Store the node's rack, switch and spine when its agent reports new ones; unchanged costs a dict lookup.
 
         A field the batch leaves out (null) keeps what the server had: an agent that knows only its rack must not
         erase a switch set by another source. A node placed by an uploaded topology file keeps that place whatever
-        its agent says (the file is the owner's word for the whole cluster; an agent's config is copied around)."""
+        its agent says (the file is the owner's word for the whole cluster; an agent's config is copied around).
+        ``stored``: what :meth:`prefetch_nodes` read of the rows; a node whose row already says this (or that a file
+        placed it) costs no UPDATE."""
         if topology is None:
             return
         place = {k: topology[k] for k in ("rack", "switch", "spine") if topology.get(k) is not None}
         if not place or self.places.get(node_id) == place:
             return
+        if stored is not None and node_id in stored:
+            row = stored[node_id]
+            if row is None or all(row.get(k) == v for k, v in place.items()):
+                self.after_commit(self.places, node_id, place)
+                return
         # The filter skips the write when the row already holds these values (a restarted server, a second worker)
         # and when an upload placed the node: the database decides, so no cache can be stale about an upload.
         m.Node.objects.filter(~Q(**place), id=node_id).exclude(placed_by="file").update(**place, placed_by="agent")
@@ -268,9 +301,14 @@ def clear_caches() -> None:
     _committed_seq.clear()
 
 
-def _late_retry(cluster_id: int, agent_id: str, seq: int) -> bool:
+def _unsure(cluster_id: int, agent_id: str, seq: int) -> bool:
+    """Whether the batch may be a late retry that retention purged: not above a seq this process committed."""
     newest = _committed_seq.get((cluster_id, agent_id))
-    return (newest is None or seq <= newest) and purged_through(cluster_id, agent_id, seq)
+    return newest is None or seq <= newest
+
+
+def _late_retry(cluster_id: int, agent_id: str, seq: int) -> bool:
+    return _unsure(cluster_id, agent_id, seq) and purged_through(cluster_id, agent_id, seq)
 
 
 def _committed(cluster_id: int, agent_id: str, seq: int) -> None:
@@ -755,8 +793,9 @@ def _store_set(jobs: list[Job]) -> list[Outcome]:
     received = datetime.now(tz=UTC)
     out: list[Outcome | None] = [None] * len(jobs)
     claims: dict[tuple[int, str, int], int] = {}  # (cluster, agent, seq) -> the job that inserts it
+    late = purged_among([k for k in map(_key, jobs) if _unsure(*k)])
     for i, job in enumerate(jobs):
-        if _late_retry(*_key(job)):
+        if _key(job) in late:
             out[i] = Stored("duplicate", 0)  # a late retry whose record retention has purged: never stored twice
         else:
             claims.setdefault(_key(job), i)
@@ -772,6 +811,8 @@ def _store_set(jobs: list[Job]) -> list[Outcome]:
     metas: list[Meta] = []
     memo: dict[tuple[int, str], int] = {}  # node ids this transaction found or created
     run_memo: dict[tuple[int, str], int] = {}
+    stored_places: dict[int, dict[str, str] | None] = {}
+    inventory.prefetch_nodes([(jobs[i][0], jobs[i][1]["host"]) for i in accepted], memo, stored_places)
     for i in accepted:
         cluster, batch, _ = jobs[i]
         records = _count(batch)
@@ -779,7 +820,7 @@ def _store_set(jobs: list[Job]) -> list[Outcome]:
         node_id = inventory.node_id(cluster, batch["host"], batch["agent_id"], memo)
         if inventory.seen_due(node_id):
             touched.append(node_id)
-        inventory.place_node(node_id, batch["topology"])
+        inventory.place_node(node_id, batch["topology"], stored_places)
         due = inventory.interfaces_due(node_id, batch["hosts"])
         if due is not None:
             interfaces.append(due)

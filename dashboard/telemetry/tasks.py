@@ -19,6 +19,7 @@ from datetime import datetime, timedelta
 
 from celery import shared_task
 from django.conf import settings
+from django.db import connection
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
@@ -92,3 +93,31 @@ def purged_through(cluster_id: int, agent_id: str, seq: int) -> bool:
     agent's highest; only a retry walks the few records stored after it."""
     return m.AgentBatch.objects.filter(cluster_id=cluster_id, agent_id=agent_id, seq__gt=seq,
                                        received_at__lt=cutoff()).exists()
+
+
+def purged_among(keys: list[tuple[int, str, int]]) -> set[tuple[int, str, int]]:
+    """:func:`purged_through` for many (cluster id, agent id, seq) at once: the keys at or below their agent's mark.
+
+    One statement per 500 keys, each key its own index range (OR of (cluster, agent, seq >) probes: a new batch's
+    range is empty): a server restarting under 2,048 agents asked once per agent, 2,048 queries in its first seconds."""
+    out: set[tuple[int, str, int]] = set()
+    quote = connection.ops.quote_name
+    table = quote(m.AgentBatch._meta.db_table)
+    cluster, agent, seq_, received = (quote(m.AgentBatch._meta.get_field(f).column)
+                                      for f in ("cluster", "agent_id", "seq", "received_at"))
+    before = connection.ops.adapt_datetimefield_value(cutoff())
+    for start in range(0, len(keys), 500):
+        part = keys[start:start + 500]
+        # SQL of its own: the ORM compiling 500 OR'ed lookups cost ~0.5 ms each, a second at 2,048 agents.
+        terms = " OR ".join([f"({cluster} = %s AND {agent} = %s AND {seq_} > %s)"] * len(part))
+        params: list[object] = [before]
+        for key in part:
+            params += key
+        above: dict[tuple[int, str], int] = {}  # (cluster, agent) -> the highest seq of its old records found
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT {cluster}, {agent}, {seq_} FROM {table} WHERE {received} < %s AND ({terms})",
+                           params)
+            for cluster_id, agent_id, seq in cursor.fetchall():
+                above[(cluster_id, agent_id)] = max(seq, above.get((cluster_id, agent_id), seq))
+        out |= {k for k in part if above.get(k[:2], -1) > k[2]}
+    return out

@@ -97,6 +97,42 @@ def test_a_group_stores_every_row_with_its_own_values(world: World, monkeypatch:
     assert m.StepSample.objects.filter(cluster=world.cluster).count() == 23 * 2
 
 
+@pytest.mark.django_db
+def test_a_restarted_writer_reads_a_groups_known_nodes_at_once_and_replaces_only_what_changed(
+        world: World, django_capture_on_commit_callbacks: Any) -> None:
+    """A server restarting under many nodes meets each again with a cold cache: one read for the group's nodes (ids
+    and places), no SELECT and UPDATE each; a node whose agent reports a new place is moved, one placed by an
+    uploaded file keeps the file's place."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from dashboard.ingest.writer import clear_caches
+
+    hosts = [f"node-{n:03d}" for n in range(12)]
+    place = {"rack": "r1", "switch": "leaf-1"}
+    with django_capture_on_commit_callbacks(execute=True):
+        store_group([job(world, make_batch(seq=1, host=h, topology=place)) for h in hosts])
+    m.Node.objects.filter(hostname="node-011").update(rack="r-file", switch="leaf-file", placed_by="file")
+    clear_caches()  # the restart
+    moved = {"rack": "r2", "switch": "leaf-2"}
+    batches = [make_batch(seq=2, host=h, topology=moved if h in ("node-003", "node-011") else place) for h in hosts]
+    with CaptureQueriesContext(connection) as queries, django_capture_on_commit_callbacks(execute=True):
+        assert [o.status for o in store_group([job(world, b) for b in batches])] == ["accepted"] * len(hosts)
+    sql = [q["sql"] for q in queries]
+    node_reads = [q for q in sql if q.startswith("SELECT") and 'FROM "telemetry_node"' in q and "hostname" in q]
+    assert len(node_reads) == 1, node_reads
+    placed = [q for q in sql if q.startswith('UPDATE "telemetry_node"') and "rack" in q]
+    assert len(placed) == 1, placed  # node-003 only: the others' rows already say so, node-011's is the file's
+    got = {n.hostname: (n.rack, n.switch) for n in m.Node.objects.filter(cluster=world.cluster)}
+    assert got == {**{h: ("r1", "leaf-1") for h in hosts}, "node-003": ("r2", "leaf-2"),
+                   "node-011": ("r-file", "leaf-file")}
+    # The next group finds everything cached: no node read at all.
+    with CaptureQueriesContext(connection) as again, django_capture_on_commit_callbacks(execute=True):
+        store_group([job(world, make_batch(seq=3, host=h, topology=moved if h == "node-003" else place))
+                     for h in hosts])
+    assert not [q for q in again if 'FROM "telemetry_node"' in q["sql"] and "hostname" in q["sql"]]
+
+
 def meta(rank: int, host: str, **extra: Any) -> dict[str, Any]:
     return {"run": "run-9", "rank": rank, "world_size": 4, "ts": time.time(), "host": host, "local_rank": rank % 2,
             "gpu_index": rank % 2, "env": {"NCCL_IB_TIMEOUT": "22"}, "peak_flops": 989e12, **extra}

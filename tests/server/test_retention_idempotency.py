@@ -72,6 +72,34 @@ def test_a_late_retry_of_a_purged_batch_is_a_duplicate(client: Any, world: World
     assert status(client, world, 2, host="node-001") == "accepted"
 
 
+def test_a_group_asks_for_its_agents_marks_at_once_and_answers_as_one_by_one(
+        world: World, settings: Any, django_capture_on_commit_callbacks: Any) -> None:
+    """The group commit checks every agent it has not committed for (all of them after a restart) in one statement
+    (purged_among) and must answer exactly as the per-agent probe (purged_through) does."""
+    from clusterdx import wire
+    from dashboard.ingest.writer import clear_caches, store_group
+    from dashboard.telemetry.tasks import purged_among, purged_through
+
+    def group(*keys: tuple[str, int]) -> list[str]:
+        jobs = [(world.cluster, wire.validate_batch(make_batch(seq=seq, host=host)), "") for host, seq in keys]
+        with django_capture_on_commit_callbacks(execute=True):
+            return [o.status for o in store_group(jobs)]
+
+    hosts = [f"node-{n:03d}" for n in range(4)]
+    assert group(*[(h, seq) for h in hosts for seq in range(1, 6)]) == ["accepted"] * 20
+    age(settings.CLUSTERDX["RETENTION_HOURS"] + 1, seq__lte=3)
+    purge_old_samples()
+    keys = [(world.cluster.id, f"agent-{h}", seq) for h in hosts for seq in range(0, 8)]
+    assert purged_among(keys) == {k for k in keys if purged_through(*k)} == \
+        {(world.cluster.id, f"agent-{h}", seq) for h in hosts for seq in range(0, 3)}
+    clear_caches()  # a restart: no agent committed in this process
+    with CaptureQueriesContext(connection) as queries:
+        got = group(("node-000", 2), ("node-001", 6), ("node-002", 1), ("node-002", 7), ("node-003", 4))
+    assert got == ["duplicate", "accepted", "duplicate", "accepted", "duplicate"]
+    probes = [q for q in queries if 'FROM "telemetry_agentbatch"' in q["sql"] and '"seq" >' in q["sql"]]
+    assert len(probes) == 1, probes
+
+
 def test_a_silent_agent_keeps_its_mark_until_it_is_long_gone(client: Any, world: World, settings: Any) -> None:
     hours = settings.CLUSTERDX["RETENTION_HOURS"]
     for seq in (10, 11):
