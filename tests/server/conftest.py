@@ -157,3 +157,11 @@ def page(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     from tests.server.browser import launch_page
 
     yield from launch_page(monkeypatch)
+
+
+def off_site_assets(html: str) -> list[str]:
+    """The scripts, styles and links a page loads from another origin (a CDN): none may be. Checked on the
+    attributes, not by searching the page for "cdn", which a random CSRF token spells now and then."""
+    import re
+
+    return re.findall(r'(?:src|href)\s*=\s*["\']((?:https?:)?//[^"\']*)', html, flags=re.IGNORECASE)

@@ -17,7 +17,7 @@ from dashboard.diagnosis.models import Finding
 from dashboard.telemetry.models import GpuSample, Node
 from dashboard.web.links import gpu_url, node_url
 from dashboard.web.series import TimeRange, downsample, parse_range
-from tests.server.conftest import AsgiServer, World, make_batch, post
+from tests.server.conftest import AsgiServer, World, make_batch, off_site_assets, post
 from tests.server.test_diagnosis_pass import Feed
 
 NODE_API = "/api/v1/clusters/prod-a/nodes/{host}"
@@ -292,7 +292,7 @@ def test_pages_and_apis_are_for_members_only(client: Any, world: World) -> None:
     for url in urls:
         assert client.get(url).status_code == 200, url
     page = client.get(urls[0]).content.decode()
-    assert 'id="page-data"' in page and "/static/web/node.js" in page and "cdn" not in page.lower()
+    assert 'id="page-data"' in page and "/static/web/node.js" in page and off_site_assets(page) == []
     assert client.get("/clusters/prod-a/nodes/node-000/gpus/9/").status_code == 404
     assert client.get("/clusters/prod-a/nodes/nope/").status_code == 404
 
