@@ -66,7 +66,9 @@ def test_the_finding_page_of_a_clock_behind_draws_its_batches_arrival_delays(
     delay = next(t for t in traces if t["meta"] == "subject")
     assert len(delay["y"]) >= 12 and min(delay["y"]) > 299.0, delay
     limit = next(t for t in traces if t["name"].endswith("clock_behind_s 30"))
-    assert set(limit["y"]) == {30.1}, limit
+    # 30 s past the cluster's 0.05 s; shown to 0.1 s, and the ledger's delays come back from julianday() within
+    # ~50 us, so 30.05 rounds either way.
+    assert limit["y"] and all(y == pytest.approx(30.05, abs=0.051) for y in limit["y"]), limit
     assert "clock is 300 s behind" in page.inner_text("#f-title")
     assert "chronyc" in page.inner_text("body")
     browser.no_js_errors(page)
