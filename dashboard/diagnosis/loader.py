@@ -201,12 +201,13 @@ def load_window(cluster: m.Cluster, now: float, beats: list[dict[str, Any]] | No
     ports = _ports(cluster.id, now, lut)
     probes = _probes(cluster.id, now, lut, hostnames, index)
     runs, steps, losses = _runs(cluster, now)
+    gpu_bus, with_gpus = _gpu_bus(cluster)
     w = Window(now=now, nodes=hostnames, steps=steps, gpus=gpus, ports=ports, probes=probes,
                events=_events(cluster.id, now), hosts=_hosts(cluster.id, now, by_id, hostnames, runs), runs=runs,
-               last_heard={}, interconnect=cluster.nccl_interconnect(), gpu_bus=_gpu_bus(cluster), span=dict(SPANS))
+               last_heard={}, interconnect=cluster.nccl_interconnect(), gpu_bus=gpu_bus, span=dict(SPANS))
     w.ingest_delay, w.ingest_lag_s, agents = _ingest_delays(cluster.id, now, len(nodes_rows))
     w.arrivals = _arrivals(cluster.id, now, w.ingest_delay, w.ingest_lag_s, agents)
-    w.last_heard = _last_heard(w, nodes_rows, index, now)
+    w.last_heard = _last_heard(w, nodes_rows, index, now, with_gpus)
     w.beats = get_state().beats(cluster.id) if beats is None else beats
     w.nccl_state = _nccl_state(cluster.id, runs)
     w.losses = losses
@@ -544,15 +545,18 @@ def _losses(mat: np.ndarray, metrics: list[Any]) -> np.ndarray:
     return np.array(sorted(out), dtype=float).reshape(-1, 3)
 
 
-def _gpu_bus(cluster: m.Cluster) -> dict[tuple[str, str], int]:
+def _gpu_bus(cluster: m.Cluster) -> tuple[dict[tuple[str, str], int], set[str]]:
+    """(host, "bb:dd") -> GPU index, and the hosts with GPUs in the inventory (:func:`_last_heard` asks)."""
     out = {}
+    hosts: set[str] = set()
     keys: dict[str | None, str | None] = {}  # every node has the same few bus ids: each is parsed once
     for host, index, bus in m.Gpu.objects.filter(node__cluster=cluster).values_list("node__hostname", "index",
                                                                                    "pci_bus_id"):
+        hosts.add(host)
         key = keys[bus] if bus in keys else keys.setdefault(bus, bus_key(bus))
         if key:
             out[(host, key)] = index
-    return out
+    return out, hosts
 
 
 INGEST_DELAY_SPAN_S = 60.0  # the batches received this long before the pass say how late each node's arrive
@@ -615,8 +619,10 @@ def _arrivals(cluster_id: int, now: float, delays: dict[str, float], lag: float,
     return out
 
 
-def _last_heard(w: Window, nodes_rows: list[tuple[Any, ...]], index: dict[str, int], now: float) -> dict[str, float]:
-    """host -> newest timestamp it sent, for every node with an agent heard from in the last day."""
+def _last_heard(w: Window, nodes_rows: list[tuple[Any, ...]], index: dict[str, int], now: float,
+                with_gpus: set[str]) -> dict[str, float]:
+    """host -> newest timestamp it sent, for every node with an agent heard from in the last day (``with_gpus``: the
+    hosts with GPUs in the inventory)."""
     newest = np.full(len(w.nodes), -np.inf)
     for table in (w.gpus, w.ports):
         if len(table):
@@ -626,25 +632,21 @@ def _last_heard(w: Window, nodes_rows: list[tuple[Any, ...]], index: dict[str, i
     for host, h in w.hosts.items():
         newest[index[host]] = max(newest[index[host]], h["ts"])
     out = {}
-    unheard = []
-    for node_id, host, agent_id, last_seen in nodes_rows:
+    for _, host, agent_id, last_seen in nodes_rows:
         heard = float(newest[index[host]])
-        if np.isfinite(heard):
-            out[host] = heard
-        # Nothing in the window: silent for at least the window. Only nodes with an agent are expected to report; a
-        # training process posting directly ("hook-..." agent ids) sends steps, which name no node.
-        elif agent_id and not agent_id.startswith("hook-") and last_seen is not None and \
-                last_seen >= _dt(now) - timedelta(seconds=EXPECTED_NODE_S):
-            unheard.append((node_id, host, last_seen))
-    # The window says how long such a node has sent nothing by the span of what it sends: a node with GPUs sends
-    # their rows every second (read for 20 s), one without only host samples (read for 10 s). Putting every such
-    # node at the GPU span named down, 8 s early, a node whose newest word was a 12 s old host sample (a CPU-only
-    # node; at a 2,048-node benchmark's start, 165 nodes whose registration was all they had sent yet).
-    with_gpus = set(m.Gpu.objects.filter(node_id__in=[n for n, _, _ in unheard]).values_list("node_id", flat=True)
-                    .distinct()) if unheard else set()
-    for node_id, host, last_seen in unheard:
-        span = SPANS["gpus"] if node_id in with_gpus else SPANS["hosts"]
-        # last_seen is when its last batch arrived (this server's clock): as of the node's own clock, that batch's
-        # delay earlier, as the silence of the nodes heard in the window is measured.
-        out[host] = min(last_seen.timestamp() - w.arrival_delay(host), now - span)
+        if not np.isfinite(heard):
+            # Nothing in the window: silent for at least the window. Only nodes with an agent are expected to
+            # report; a training process posting directly ("hook-..." agent ids) sends steps, which name no node.
+            if not agent_id or agent_id.startswith("hook-") or last_seen is None or \
+                    last_seen < _dt(now) - timedelta(seconds=EXPECTED_NODE_S):
+                continue
+            # How long it has sent nothing, the window says by the span of what it sends: a node with GPUs their
+            # rows every second (read for 20 s), one without only host samples (read for 10 s). Every such node put
+            # at the GPU span named down, 8 s early, a node whose newest word was a 12 s old host sample (a CPU-only
+            # node; at a 2,048-node benchmark's start, 165 nodes whose registration was all they had sent yet).
+            span = SPANS["gpus"] if host in with_gpus else SPANS["hosts"]
+            # last_seen is when its last batch arrived (this server's clock): as of the node's own clock, that
+            # batch's delay earlier, as the silence of the nodes heard in the window is measured.
+            heard = min(last_seen.timestamp() - w.arrival_delay(host), now - span)
+        out[host] = heard
     return out

@@ -607,15 +607,14 @@ class _Table:
         # get it again. So a statement carries many rows, and the rows past the last whole statement go in a few
         # statements too (statement_sizes), not one by one (benchmarks/sqlite_convoy.py: the rows a second a
         # writer thread stores beside a busy thread).
-        sizes = statement_sizes(len(rows), self.per_statement)
-        whole = sizes.count(self.per_statement) if sizes else 0
+        k = self.per_statement
+        whole = len(rows) // k
         raw = cursor.db.connection  # the sqlite3 connection; errors become Django's in _copy_cursor
         if whole:
-            k = self.per_statement
             raw.executemany(self._statement(k), [list(chain.from_iterable(rows[i:i + k]))
                                                  for i in range(0, whole * k, k)])
-        start = whole * self.per_statement
-        for size in sizes[whole:]:
+        start = whole * k
+        for size in statement_sizes(len(rows), k)[whole:]:
             raw.execute(self._statement(size), list(chain.from_iterable(rows[start:start + size])))
             start += size
 

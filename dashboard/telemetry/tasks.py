@@ -101,6 +101,8 @@ def purged_among(keys: list[tuple[int, str, int]]) -> set[tuple[int, str, int]]:
     One statement per 500 keys, each key its own index range (OR of (cluster, agent, seq >) probes: a new batch's
     range is empty): a server restarting under 2,048 agents asked once per agent, 2,048 queries in its first seconds."""
     out: set[tuple[int, str, int]] = set()
+    if not keys:  # every group once the server has committed for its agents: nothing to ask
+        return out
     quote = connection.ops.quote_name
     table = quote(m.AgentBatch._meta.db_table)
     cluster, agent, seq_, received = (quote(m.AgentBatch._meta.get_field(f).column)
