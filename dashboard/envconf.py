@@ -69,6 +69,16 @@ def env_float(name: str, default: float, *, min: float | None = None, environ: M
     return value
 
 
+def env_choice(name: str, default: str, choices: tuple[str, ...], environ: Mapping[str, str] = os.environ) -> str:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ConfigError(f"{name}={raw!r} is not one of {', '.join(choices)}")
+    return value
+
+
 def env_list(name: str, default: str = "", environ: Mapping[str, str] = os.environ) -> list[str]:
     return [item.strip() for item in environ.get(name, default).split(",") if item.strip()]
 

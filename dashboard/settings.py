@@ -16,6 +16,7 @@ import plotly
 from dashboard.envconf import (
     database_from_url,
     env_bool,
+    env_choice,
     env_float,
     env_int,
     env_list,
@@ -222,6 +223,9 @@ CLUSTERDX = {
     "INGEST_QUEUE_BATCHES": env_int("CLUSTERDX_INGEST_QUEUE_BATCHES", 4096, min=1),
     "INGEST_COMMIT_MAX_BATCHES": env_int("CLUSTERDX_INGEST_COMMIT_MAX_BATCHES", 256, min=1),
     "INGEST_COMMIT_WINDOW_MS": env_float("CLUSTERDX_INGEST_COMMIT_WINDOW_MS", 2.0, min=0.0),
+    # Where the group writer runs (dashboard/ingest/commit.py): "thread" (in the web process) or "process" (a child
+    # process that checks and stores the bodies: the embedded server's one process then uses two cores).
+    "INGEST_WRITER": env_choice("CLUSTERDX_INGEST_WRITER", "thread", ("thread", "process")),
     # Nodes per second one cluster may post: beyond it the server asks agents for a longer send_interval_s.
     "INGEST_NODES_PER_S": env_int("CLUSTERDX_INGEST_NODES_PER_S", 2048, min=1),
     # GET /metrics (Prometheus): a scraper sends this as a bearer token; unset, only loopback and staff may read.

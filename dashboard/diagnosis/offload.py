@@ -40,7 +40,7 @@ def _child_init(db_name: str) -> None:
     """Django in the child, on the parent's database (under the tests, the test database, whose name the settings
     module alone does not know)."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
     import django
     from django.conf import settings
 
@@ -48,7 +48,7 @@ def _child_init(db_name: str) -> None:
     django.setup()
 
 
-def _exit_with_parent(parent: int) -> None:
+def exit_with_parent(parent: int) -> None:
     """A server killed outright (SIGKILL, a crash) never shuts its pool down: the child, re-parented, would live on,
     holding the database and the server's stdout (a benchmark waiting for that pipe's end hung). Leave with it."""
     while os.getppid() == parent:

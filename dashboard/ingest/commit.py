@@ -39,37 +39,63 @@ PAUSE_ENV = "CLUSTERDX_TEST_PAUSE_BEFORE_COMMIT"
 IDLE_CLOSE_S = 0.25  # a writer without batches for this long closes its connection; busy, it keeps it
 
 
+Unchecked = tuple[Any, bytes, bool, int]  # (views.Poster, the body as received, gzip-encoded, size limit)
+
+
 class Busy(Exception):
     """The write queue is full: refuse the batch now (429) rather than queue it past any useful answer time."""
 
 
 @dataclass
 class _Pending:
-    job: Job
-    future: Future[Stored] = field(default_factory=Future)
+    job: Job | None  # a checked batch; None: ``raw`` for the writer's process to check
+    raw: Unchecked | None = None
+    future: Future[Any] = field(default_factory=Future)
 
 
-def _config() -> tuple[int, int, float]:
+def _config() -> tuple[int, int, float, bool]:
     from django.conf import settings
 
     c = settings.CLUSTERDX
-    return int(c["INGEST_QUEUE_BATCHES"]), int(c["INGEST_COMMIT_MAX_BATCHES"]), float(c["INGEST_COMMIT_WINDOW_MS"]) / 1e3
+    return (int(c["INGEST_QUEUE_BATCHES"]), int(c["INGEST_COMMIT_MAX_BATCHES"]),
+            float(c["INGEST_COMMIT_WINDOW_MS"]) / 1e3, in_process_of_its_own(str(c["INGEST_WRITER"])))
+
+
+def in_process_of_its_own(mode: str) -> bool:
+    """``CLUSTERDX_INGEST_WRITER``: ``thread`` (the default: in the server's own process) or ``process`` (a child
+    process, :mod:`.remote`). On this 2-core machine, with the load generator beside the server, the two accepted
+    the same share at 2,048 nodes and the process cost ~5 % more CPU per node-second (docs/scaling.md): the machine,
+    not the server's GIL, was the limit. On a server with cores to spare, the process lifts the one-GIL ceiling."""
+    return mode == "process"
 
 
 class GroupWriter:
-    def __init__(self, capacity: int, max_group: int, window_s: float) -> None:
+    def __init__(self, capacity: int, max_group: int, window_s: float, remote: bool = False) -> None:
+        from dashboard.ingest.remote import RemoteWriter
+
         self.queue: queue.Queue[_Pending | None] = queue.Queue(maxsize=capacity)
         self.max_group = max_group
         self.window_s = window_s
+        self.remote = RemoteWriter() if remote else None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._pause = os.environ.get(PAUSE_ENV, "")
         self._last = False  # the stop sentinel was taken with the group being written
 
     def submit(self, job: Job) -> Future[Stored]:
-        """Queue a batch for the next group; the future resolves after the commit (an exception: not stored)."""
+        """Queue a checked batch for the next group; the future resolves after the commit (an exception: not
+        stored)."""
+        if self.remote is not None:
+            raise ValueError("the writer's process checks the bodies itself: submit_unchecked")
+        return self._queue(_Pending(job))
+
+    def submit_unchecked(self, poster: Any, body: bytes, gzipped: bool, limit: int) -> Future[Stored | Any]:
+        """Queue a post's body, as received, for the writer's process to check and store: the future resolves to
+        its refusal (an answer tuple) or, after the commit, to its Stored."""
+        return self._queue(_Pending(None, (poster, body, gzipped, limit)))
+
+    def _queue(self, pending: _Pending) -> Future[Any]:
         self._start()
-        pending = _Pending(job)
         try:
             self.queue.put_nowait(pending)
         except queue.Full:
@@ -95,6 +121,8 @@ class GroupWriter:
         except queue.Full:
             return
         self._thread.join(timeout)
+        if self.remote is not None:
+            self.remote.shutdown()
 
     def _run(self) -> None:
         while True:
@@ -147,20 +175,27 @@ class GroupWriter:
         group = [p for p in group if p.future.set_running_or_notify_cancel()]
         if not group:
             return
-        _drop_broken_connection()
         if self._pause:
             _pause_here(self._pause)
         started = time.perf_counter()
-        outcomes = store_group([p.job for p in group])
-        took = time.perf_counter() - started
-        metrics.COMMIT_SECONDS.observe(took)
-        log.debug("ingest: stored %d batches in %.1f ms (%d waiting)", len(group), took * 1e3, self.queue.qsize())
-        metrics.GROUP_BATCHES.observe(len(group))
-        for p, outcome in zip(group, outcomes, strict=True):
-            if isinstance(outcome, Exception):
-                p.future.set_exception(outcome)
-            else:
-                p.future.set_result(outcome)
+        if self.remote is not None:  # answered on the remote's thread, while this one gathers the next group
+            self.remote.store([p.raw for p in group], lambda outcomes: _settle(group, outcomes, started, self.queue))
+            return
+        _drop_broken_connection()
+        _settle(group, store_group([p.job for p in group]), started, self.queue)  # type: ignore[misc]
+
+
+def _settle(group: list[_Pending], outcomes: list[Any], started: float, waiting: queue.Queue[Any]) -> None:
+    """Each post's answer, once its group's commit (or refusal) decided it."""
+    took = time.perf_counter() - started
+    metrics.COMMIT_SECONDS.observe(took)
+    log.debug("ingest: stored %d batches in %.1f ms (%d waiting)", len(group), took * 1e3, waiting.qsize())
+    metrics.GROUP_BATCHES.observe(len(group))
+    for p, outcome in zip(group, outcomes, strict=True):
+        if isinstance(outcome, Exception):
+            p.future.set_exception(outcome)
+        else:
+            p.future.set_result(outcome)
 
 
 def _drop_broken_connection() -> None:
@@ -211,7 +246,7 @@ def reset() -> None:
 
 
 def submit(cluster: m.Cluster, batch: dict[str, Any], digest: str, *, in_loop: bool = False) -> Future[Stored]:
-    """Store the batch: through the group writer, or inline when the caller is inside a transaction already.
+    """Store the checked batch: through the group writer, or inline when the caller is inside a transaction already.
 
     ``in_loop``: called in the event loop, where no transaction is ever open. There even asking would cost: asgiref
     gives every request's task a context of its own, and Django a new database wrapper per context (~15 µs and a

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import DatabaseError
+from django.db import DatabaseError, connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -129,7 +129,53 @@ def begin(headers: Mapping[str, str], body: bytes | None, limit: int,
         return _refuse("unknown_token", "the token is unknown or has been revoked")
     if body is None:
         return _refuse("too_large", f"body over {limit} bytes; send smaller batches")
-    if headers.get("content-encoding", "identity").strip().lower() == "gzip":
+    gzipped = headers.get("content-encoding", "identity").strip().lower() == "gzip"
+    remote = in_loop is not None or not connection.in_atomic_block
+    remote = remote and commit.writer().remote is not None
+    checked: Checked | Answer | None = None
+    if not remote:  # else the writer's process checks the body (check_body), and the answer waits for it anyway
+        checked = check_body(Poster.of(token), body, gzipped, limit)
+        if not isinstance(checked, Checked):
+            return checked
+    try:
+        if in_loop is None:
+            tokens.mark_used(token)
+            _mark_looked[(token.id, token.prefix)] = time.monotonic()
+        interval = send_interval(token.cluster_id) if in_loop is None else in_loop[1]
+        if checked is None:
+            future = commit.writer().submit_unchecked(Poster.of(token), body, gzipped, limit)
+        else:
+            future = commit.submit(token.cluster, checked.batch, checked.digest, in_loop=in_loop is not None)
+    except commit.Busy:
+        return _busy(interval)
+    except DatabaseError as exc:
+        return _unavailable(None if checked is None else checked.batch, exc)
+    return Waiting(future, None if checked is None else checked.batch, interval)
+
+
+@dataclass(frozen=True)
+class Poster:
+    """What the body's checks need of the token that posted it (picklable: the writer's process checks it too)."""
+
+    cluster_id: int
+    cluster_name: str
+    scope: str
+    hosts: str
+
+    @classmethod
+    def of(cls, token: IngestToken) -> Poster:
+        return cls(token.cluster_id, token.cluster.name, token.scope, token.hosts)
+
+
+@dataclass(frozen=True)
+class Checked:
+    batch: dict[str, Any]
+    digest: str
+
+
+def check_body(poster: Poster, body: bytes, gzipped: bool, limit: int) -> Checked | Answer:
+    """Encoding, JSON, wire format, the token's cluster and scope, the clock: the valid batch, or the refusal."""
+    if gzipped:
         try:
             body = _gunzip(body, limit)
         except OverflowError:
@@ -142,29 +188,18 @@ def begin(headers: Mapping[str, str], body: bytes | None, limit: int,
         return _refuse("malformed_json", f"invalid JSON: {str(exc)[:200]}")
     except wire.WireError as exc:
         return _refuse("invalid_batch", str(exc)[:500])
-    cluster = token.cluster
-    if batch["cluster"] is not None and batch["cluster"] != cluster.name:
-        return _refuse("wrong_cluster", f"token is for cluster {cluster.name!r}, batch names {batch['cluster']!r}")
+    if batch["cluster"] is not None and batch["cluster"] != poster.cluster_name:
+        return _refuse("wrong_cluster", f"token is for cluster {poster.cluster_name!r}, batch names {batch['cluster']!r}")
     # Here, where token and batch meet, both doors (this view and the ASGI fast path) refuse alike.
-    scope = tokens.scope_refusal(token, batch)
+    scope = tokens.scope_refusal(poster, batch)
     if scope is not None:
         return _refuse("token_scope", scope)
     skew = clock_skew(batch, time.time())
     if skew is not None:
         return _refuse("clock_skew", skew)
-    try:
-        if in_loop is None:
-            tokens.mark_used(token)
-            _mark_looked[(token.id, token.prefix)] = time.monotonic()
-        interval = send_interval(cluster.id) if in_loop is None else in_loop[1]
-        # Producers resend a batch byte for byte (the agent its spooled body): the same seq with other bytes is a
-        # reused seq. The body's hash costs 1/50 of validating it; a canonical re-encoding would cost half as much.
-        future = commit.submit(cluster, batch, hashlib.sha256(body).hexdigest(), in_loop=in_loop is not None)
-    except commit.Busy:
-        return _busy(interval)
-    except DatabaseError as exc:
-        return _unavailable(batch, exc)
-    return Waiting(future, batch, interval)
+    # Producers resend a batch byte for byte (the agent its spooled body): the same seq with other bytes is a
+    # reused seq. The body's hash costs 1/50 of validating it; a canonical re-encoding would cost half as much.
+    return Checked(batch, hashlib.sha256(body).hexdigest())
 
 
 _mark_looked: dict[tuple[int, str], float] = {}  # (token id, prefix) -> when a request last had tokens.mark_used look at it
@@ -186,10 +221,11 @@ def ready_in_loop(token: IngestToken) -> tuple[IngestToken, float] | None:
 
 @dataclass(frozen=True)
 class Waiting:
-    """A valid batch handed to the group writer: the answer comes once its commit has decided it."""
+    """A batch handed to the group writer: the answer comes once its commit has decided it. ``batch`` is None when
+    the writer's process checks the body (its result is then the refusal, or a Stored that names the seq)."""
 
-    future: Future[Stored]
-    batch: dict[str, Any]
+    future: Future[Stored | Answer]
+    batch: dict[str, Any] | None
     send_interval_s: float
 
 
@@ -204,12 +240,15 @@ def handle_body(headers: Mapping[str, str], body: bytes | None, limit: int) -> A
     return step
 
 
-def finish(waiting: Waiting, result: Stored) -> Answer:
-    batch = waiting.batch
+def finish(waiting: Waiting, result: Stored | Answer) -> Answer:
+    if isinstance(result, tuple):  # refused by the checks in the writer's process
+        return result
+    seq, agent_id = (result.seq, result.agent_id) if waiting.batch is None else (waiting.batch["seq"],
+                                                                                 waiting.batch["agent_id"])
     if result.status == "seq_reused":
-        return _refuse("seq_reused", f"seq {batch['seq']} of {batch['agent_id']} was already stored with other "
+        return _refuse("seq_reused", f"seq {seq} of {agent_id} was already stored with other "
                                      "content; renumber the batch (a seq this agent never used) and send it again")
-    return 200, {"status": result.status, "seq": batch["seq"], "records": result.records,
+    return 200, {"status": result.status, "seq": seq, "records": result.records,
                  "send_interval_s": waiting.send_interval_s}, {}
 
 
@@ -220,8 +259,11 @@ def finish_failed(waiting: Waiting, exc: Exception) -> Answer:
     raise exc
 
 
-def _unavailable(batch: dict[str, Any], exc: Exception) -> Answer:
-    log.warning("ingest: database unavailable for %s seq %s: %s", batch["agent_id"], batch["seq"], exc)
+def _unavailable(batch: dict[str, Any] | None, exc: Exception) -> Answer:
+    if batch is None:
+        log.warning("ingest: database unavailable: %s", exc)
+    else:
+        log.warning("ingest: database unavailable for %s seq %s: %s", batch["agent_id"], batch["seq"], exc)
     return _refuse("unavailable", "database unavailable; the batch was not stored, retry it")
 
 

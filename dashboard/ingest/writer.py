@@ -64,6 +64,8 @@ INTERFACES_RESTAMP_S = 1800.0
 class Stored:
     status: str  # "accepted" | "duplicate" | "seq_reused" (the seq is stored with other content: nothing written)
     records: int
+    seq: int = -1  # the batch's, for an answer whose batch only the writer's process decoded
+    agent_id: str = ""
 
 def _dt(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, tz=UTC)
@@ -362,11 +364,18 @@ def _store(cluster: m.Cluster, batch: dict[str, Any], digest: str) -> Stored:
         _insert_rows(rows)
         _advance_runs(batch["steps"], runs)
         transaction.on_commit(lambda: _committed(cluster.id, batch["agent_id"], batch["seq"]))
-        transaction.on_commit(lambda: _publish([(cluster.id, batch["host"], batch, runs)]))
+        item = (cluster.id, batch["host"], batch, runs)
+        transaction.on_commit(lambda: _publish([item]) if published_to is None else published_to([item]))
     return Stored("accepted", records)
 
 
-def _publish(items: list[tuple[int, str, dict[str, Any], dict[str, int]]]) -> None:
+Published = list[tuple[int, str, dict[str, Any], dict[str, int]]]  # (cluster id, host, stored batch, run ids)
+# Where committed batches go instead of the live layer: the ingest writer process (:mod:`dashboard.ingest.remote`)
+# hands them back to the server, whose live layer the browsers watch. None: this process publishes them itself.
+published_to: Callable[[Published], None] | None = None
+
+
+def _publish(items: Published) -> None:
     """The live view after the commit. The batches are stored by now: a live layer that is down (Redis restarting)
     costs the browsers these deltas, never the agent an error for data the server keeps (a 500 here made it retry
     into a "duplicate" and the live view never showed the batch; the chaos suite found it)."""
@@ -839,7 +848,7 @@ def _store_set(jobs: list[Job]) -> list[Outcome]:
     keys = [_key(jobs[i]) for i in accepted]
     transaction.on_commit(lambda: [_committed(*key) for key in keys])
     if published:  # on the publisher's thread: this writer's next group need not wait for Redis
-        transaction.on_commit(lambda: publisher.submit(published))
+        transaction.on_commit(lambda: (publisher.submit if published_to is None else published_to)(published))
     return [o if o is not None else DatabaseError("not stored; retry it") for o in out]
 
 

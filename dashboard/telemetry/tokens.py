@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, Protocol
 
 from django.utils import timezone
 
@@ -64,7 +64,12 @@ def create_token(cluster: Cluster, name: str = "", *, scope: str = "cluster",
     return row, token
 
 
-def scope_refusal(row: IngestToken, batch: dict[str, Any]) -> str | None:
+class Scoped(Protocol):
+    scope: str
+    hosts: str
+
+
+def scope_refusal(row: Scoped, batch: dict[str, Any]) -> str | None:
     """Why ``row`` may not post this (validated) batch, or None. Refused as a whole: nothing of it is stored."""
     if row.scope == "agent":
         patterns = row.hosts.split()
