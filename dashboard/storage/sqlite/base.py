@@ -174,8 +174,8 @@ class DatabaseWrapper(base.DatabaseWrapper):
         got = lock.acquire(timeout)
         observe_turn(time.monotonic() - t0)  # on /metrics: how long the server's writers queue
         if not got:
-            raise OperationalError(f"database is locked: another thread or the ingest writer held its write "
-                                   f"transaction for over {timeout:g} s")
+            raise OperationalError(f"database is locked: another thread of this process (or its ingest writer "
+                                   f"process) held its write transaction for over {timeout:g} s")
         self._held = lock
         try:
             super()._start_transaction_under_autocommit()
