@@ -58,15 +58,7 @@ def _config() -> tuple[int, int, float, bool]:
 
     c = settings.CLUSTERDX
     return (int(c["INGEST_QUEUE_BATCHES"]), int(c["INGEST_COMMIT_MAX_BATCHES"]),
-            float(c["INGEST_COMMIT_WINDOW_MS"]) / 1e3, in_process_of_its_own(str(c["INGEST_WRITER"])))
-
-
-def in_process_of_its_own(mode: str) -> bool:
-    """``CLUSTERDX_INGEST_WRITER``: ``thread`` (the default: in the server's own process) or ``process`` (a child
-    process, :mod:`.remote`). On this 2-core machine, with the load generator beside the server, the two accepted
-    the same share at 2,048 nodes and the process cost ~5 % more CPU per node-second (docs/scaling.md): the machine,
-    not the server's GIL, was the limit. On a server with cores to spare, the process lifts the one-GIL ceiling."""
-    return mode == "process"
+            float(c["INGEST_COMMIT_WINDOW_MS"]) / 1e3, c["INGEST_WRITER"] == "process")  # a child process: .remote
 
 
 class GroupWriter:

@@ -281,20 +281,6 @@ def _cluster(cluster_id: int) -> Any:
     return got[1]
 
 
-def _live(cluster_id: int, host: str, batch: dict[str, Any],
-          runs: dict[str, int]) -> tuple[int, str, dict[str, Any], dict[str, int]]:
-    """What :func:`dashboard.live.publish.publish_batches` reads of a stored batch: the server publishes it, and
-    pickling only this is a fraction of pickling the batch."""
-    from dashboard.live.publish import SEVERE
-
-    gpus = [{k: g[k] for k in ("index", "ts", "util_gpu_pct", "mem_used_bytes", "power_w", "temp_c")}
-            for g in batch["gpus"]]
-    steps = [{k: s[k] for k in ("run", "step", "rank", "ts", "step_time_s", "data_wait_s", "compute_s", "comm_s",
-                                "tokens")} for s in batch["steps"]]
-    events = [e for e in batch["events"] if e["severity"] in SEVERE]
-    return cluster_id, host, {"gpus": gpus, "beats": batch["beats"], "steps": steps, "events": events}, runs
-
-
 def _check(items: list[Any]) -> tuple[list[Answer | None], list[Any], list[int]]:
     from dashboard.ingest.views import Checked, check_body
 
@@ -314,8 +300,11 @@ def _check(items: list[Any]) -> tuple[list[Answer | None], list[Any], list[int]]
 
 
 def _store(answers: list[Answer | None], checked: list[Any], where: list[int]) -> tuple[list[Answer], list[float]]:
+    from django.core.exceptions import ObjectDoesNotExist
+
     from dashboard.ingest.commit import _drop_broken_connection
     from dashboard.ingest.writer import store_group
+    from dashboard.live.publish import live_part
 
     _published.clear()
     _waits.clear()
@@ -324,14 +313,14 @@ def _store(answers: list[Answer | None], checked: list[Any], where: list[int]) -
         try:
             jobs.append((_cluster(cluster_id), batch, digest))
             kept.append(i)
-        except DatabaseError as exc:  # the cluster is gone (or the database is): the agent hears it as a 503
+        except (DatabaseError, ObjectDoesNotExist) as exc:  # the cluster (or the database) is gone: a 503
             answers[i] = ("db", str(exc))
     try:
         _drop_broken_connection()
         outcomes = store_group(jobs) if jobs else []
     except Exception as exc:  # store_group answers per batch; this is the database gone before it began
         outcomes = [exc] * len(jobs)
-    stored = {(cid, b["agent_id"], b["seq"]): _live(cid, host, b, runs) for cid, host, b, runs in _published}
+    stored = {(cid, b["agent_id"], b["seq"]): (cid, host, live_part(b), runs) for cid, host, b, runs in _published}
     for i, (cluster, batch, _), outcome in zip(kept, jobs, outcomes, strict=True):
         if isinstance(outcome, Exception):
             _clusters.clear()  # a cluster deleted meanwhile is read again

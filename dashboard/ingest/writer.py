@@ -364,8 +364,7 @@ def _store(cluster: m.Cluster, batch: dict[str, Any], digest: str) -> Stored:
         _insert_rows(rows)
         _advance_runs(batch["steps"], runs)
         transaction.on_commit(lambda: _committed(cluster.id, batch["agent_id"], batch["seq"]))
-        item = (cluster.id, batch["host"], batch, runs)
-        transaction.on_commit(lambda: _publish([item]) if published_to is None else published_to([item]))
+        transaction.on_commit(lambda: _hand_over([(cluster.id, batch["host"], batch, runs)], _publish))
     return Stored("accepted", records)
 
 
@@ -373,6 +372,10 @@ Published = list[tuple[int, str, dict[str, Any], dict[str, int]]]  # (cluster id
 # Where committed batches go instead of the live layer: the ingest writer process (:mod:`dashboard.ingest.remote`)
 # hands them back to the server, whose live layer the browsers watch. None: this process publishes them itself.
 published_to: Callable[[Published], None] | None = None
+
+
+def _hand_over(items: Published, publish: Callable[[Published], None]) -> None:
+    (publish if published_to is None else published_to)(items)
 
 
 def _publish(items: Published) -> None:
@@ -848,7 +851,7 @@ def _store_set(jobs: list[Job]) -> list[Outcome]:
     keys = [_key(jobs[i]) for i in accepted]
     transaction.on_commit(lambda: [_committed(*key) for key in keys])
     if published:  # on the publisher's thread: this writer's next group need not wait for Redis
-        transaction.on_commit(lambda: (publisher.submit if published_to is None else published_to)(published))
+        transaction.on_commit(lambda: _hand_over(published, publisher.submit))
     return [o if o is not None else DatabaseError("not stored; retry it") for o in out]
 
 

@@ -106,6 +106,17 @@ def publish_batches(items: list[tuple[int, str, dict[str, Any], dict[str, int]]]
 
 Items = list[tuple[int, str, dict[str, Any], dict[str, int]]]
 
+GPU_FIELDS = ("index", "ts", "util_gpu_pct", "mem_used_bytes", "power_w", "temp_c")
+STEP_FIELDS = ("run", "step", "rank", "ts", "step_time_s", "data_wait_s", "compute_s", "comm_s", "tokens")
+
+
+def live_part(batch: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`publish_batches` reads of a stored batch, and nothing more: a process that stores batches for
+    another to publish (:mod:`dashboard.ingest.remote`) sends this, a fraction of the batch to pickle."""
+    return {"gpus": [{k: g[k] for k in GPU_FIELDS} for g in batch["gpus"]], "beats": batch["beats"],
+            "steps": [{k: s[k] for k in STEP_FIELDS} for s in batch["steps"]],
+            "events": [e for e in batch["events"] if e["severity"] in SEVERE]}
+
 
 class Publisher:
     """Publishes committed groups on a thread of its own, in commit order, so the group writer goes on to its next

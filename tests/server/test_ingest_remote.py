@@ -12,6 +12,7 @@ import gzip
 import json
 import multiprocessing
 import os
+import pickle
 import signal
 import sqlite3
 import time
@@ -179,3 +180,23 @@ def test_a_killed_writer_process_costs_a_retry_and_never_a_second_copy(remote_se
     assert _post(remote_server, world.token, body).json()["status"] == "duplicate"
     assert _stored(world) == [("agent-node-001", 0), ("agent-node-001", 1)]
     assert m.GpuSample.objects.filter(cluster=world.cluster).count() == 4
+
+
+def test_the_live_part_of_a_batch_publishes_what_the_whole_batch_does() -> None:
+    from clusterdx import wire
+
+    xid = {"ts": time.time(), "kind": "xid", "severity": "critical", "code": 79, "gpu_index": 1, "message": "Xid 79"}
+    info = {"ts": time.time(), "kind": "agent", "severity": "info", "message": "started"}
+    batch = wire.validate_batch(make_batch(seq=0, host="node-003", events=[xid, info],
+                                           beats=[{"ts": time.time(), "run": "run-1", "rank": 0, "state": "step",
+                                                   "step": 1, "state_s": 0.1}]))
+    runs = {"run-1": 7}
+
+    def rows(b: dict[str, Any]) -> list[Any]:
+        gpus = [["node-003", g["index"], g["ts"], g["util_gpu_pct"], g["mem_used_bytes"], g["power_w"], g["temp_c"]]
+                for g in b["gpus"]]
+        return [publish._messages(1, "node-003", b, runs, gpus), b["beats"]]
+
+    part = publish.live_part(batch)
+    assert rows(part) == rows(batch)
+    assert len(pickle.dumps(part)) < len(pickle.dumps(batch))

@@ -11,9 +11,10 @@ sleeps through whole polling intervals after the other thread is done. Here a th
 queues on a fair in-process lock first and is handed the lock when the holder commits or rolls back, so SQLite's
 lock is free by the time it asks (other processes, the CLI say, still meet SQLite's busy handler).
 
-The embedded server's ingest writer runs in a process of its own (:mod:`dashboard.ingest.remote`); the two processes
-take turns the same way through :class:`ProcessTurns`, which the server creates and hands to that process: the head
-of each process's queue waits for the other process's transaction to end, and is handed the turn when it does.
+With ``CLUSTERDX_INGEST_WRITER=process`` the ingest writer runs in a process of its own (:mod:`dashboard.ingest.remote`);
+the two processes take turns the same way through :class:`ProcessTurns`, which the server creates and hands to that
+process: the head of each process's queue waits for the other process's transaction to end, and is handed the turn
+when it does.
 
 Only write transactions queue: the settings begin every transaction IMMEDIATE (they all may write), and a deferred
 one (``transaction_mode`` unset) is left to SQLite.
@@ -51,7 +52,7 @@ class ProcessTurns:
     def acquire(self, party: int, timeout: float) -> bool:
         state = self._state
         with self._guard:
-            if state[0] in (0, party):  # free (or, after a forfeit, already handed to this party)
+            if state[0] == 0:
                 state[0] = party
                 return True
             state[party] = 1
