@@ -451,7 +451,9 @@ def _runs(cluster: m.Cluster, now: float) -> tuple[list[RunInfo], Table, dict[st
         if r.last_step is None:
             continue
         s, loss = _steps_and_losses(cluster.id, r.id, r.last_step, min(infos[i].ranks, default=0))
-        parts.append({"run": np.full(s.mat.shape[1], float(i)), **{c: s.mat[k] for k, c in enumerate(STEP_NUM[1:])}})
+        part = {"run": np.full(s.mat.shape[1], float(i)), **{c: s.mat[k] for k, c in enumerate(STEP_NUM[1:])}}
+        _newest_step(infos[i], part)
+        parts.append(part)
         objs.append(s.objs[0])
         if len(loss):
             losses[r.name] = loss
@@ -459,6 +461,18 @@ def _runs(cluster: m.Cluster, now: float) -> tuple[list[RunInfo], Table, dict[st
         return infos, Table.from_rows(STEP_NUM, STEP_OBJ, []), losses
     return infos, Table({c: np.concatenate([p[c] for p in parts]) for c in STEP_NUM},
                         {"groups": np.concatenate(objs) if objs else np.empty(0, dtype=object)}), losses
+
+
+def _newest_step(info: RunInfo, part: dict[str, np.ndarray]) -> None:
+    """The run's last step from the step rows just read, when newer than its row says: ingest moves the run row at
+    most once a second (``writer.RUN_ADVANCE_EVERY_S``), so that row may be a second behind, and a run would look
+    stalled a second longer than it is (a frozen rank's run was named hung before the rank's beats went quiet)."""
+    ts = part["ts"]
+    if not len(ts):
+        return
+    top = int(np.argmax(ts))
+    if info.last_step_ts is None or ts[top] > info.last_step_ts:
+        info.last_step, info.last_step_ts = int(part["step"][top]), float(ts[top])
 
 
 # (database, cluster) -> (when read, rank id -> (updated_at, meta))

@@ -4,6 +4,7 @@ loader's bounded queries, the detectors, and the findings lifecycle (open, escal
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from dashboard.diagnosis.models import Finding
 from dashboard.diagnosis.signals import finding_changed
 from dashboard.diagnosis.tasks import diagnose, run_pass
 from dashboard.ingest.writer import store_batch
+from dashboard.telemetry.models import Run, StepSample
 from tests.server.conftest import World
 
 pytestmark = pytest.mark.django_db
@@ -256,3 +258,20 @@ def test_a_cluster_that_goes_quiet_all_at_once_is_one_finding_not_one_per_node(
     assert ys[0] == 8 and ys[-1] == 0 and panel["breach"]["over"] is True
     page = client.get(f"/findings/{f.id}/")
     assert page.status_code == 200 and b"no node of the cluster heard" in page.content
+
+
+def test_the_window_knows_the_runs_newest_step_though_the_run_row_lags(world: World) -> None:
+    """Ingest moves a run's row (last step, when) at most once a second; the pass takes the run's last step from the
+    step rows it reads, or a run would look stalled a second longer than it is: a frozen rank's run was named hung
+    before the rank's beats had gone quiet (CI, netns test_a_frozen_rank_is_named)."""
+    from dashboard.diagnosis import loader
+
+    feed = Feed(world, [], nodes=2, gpus=2)
+    feed.run(5, passes=False)
+    now = feed.t0 + feed.t
+    run = Run.objects.get(cluster=world.cluster, name="llm")
+    newest = StepSample.objects.filter(run=run).order_by("-ts").first()
+    behind = newest.ts - timedelta(seconds=0.9)
+    Run.objects.filter(id=run.id).update(last_step=newest.step - 3, last_step_at=behind)
+    info = next(r for r in loader.load_window(world.cluster, now).runs if r.name == "llm")
+    assert info.last_step == newest.step and info.last_step_ts == pytest.approx(newest.ts.timestamp(), abs=1e-3)
