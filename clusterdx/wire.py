@@ -675,7 +675,7 @@ def validate_batch(value: Any) -> dict[str, Any]:
     return validate(Batch, value)
 
 
-def parse_batch(body: bytes) -> dict[str, Any]:
+def parse_batch(body: bytes, *, gpu_records: bool = False) -> dict[str, Any]:
     """Decode and validate a batch's JSON bytes: what ``validate_batch(json.loads(body))`` returns, in a fraction of
     its time. Raises :class:`MalformedJson` for bytes that are not JSON and :class:`WireError` for a batch that is
     not of the wire format, with the reference path's exact message.
@@ -683,10 +683,13 @@ def parse_batch(body: bytes) -> dict[str, Any]:
     The compiled path (:mod:`clusterdx.wire_compiled`, generated from the declarations above) accepts the batches
     producers send; it is never looser than the reference path, and anything it refuses or leaves alone goes to the
     reference path, which decides and words the error. Imported here, not at the top: agents and hooks use this module
-    without msgspec."""
+    without msgspec.
+
+    ``gpu_records``: the GPU samples may stay the compiled path's records (read by key like a dict, and by attribute),
+    not dicts: what the server's ingest takes (its readers take either kind: the reference path returns dicts)."""
     from clusterdx import wire_compiled
 
-    batch = wire_compiled.decode(Batch, body)
+    batch = wire_compiled.decode(Batch, body, ("gpus",) if gpu_records else ())
     if batch is not None:
         return batch
     try:

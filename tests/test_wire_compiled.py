@@ -17,6 +17,7 @@ import typing
 from functools import cache
 from typing import Any, Literal
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -75,6 +76,10 @@ def assert_same(body: bytes) -> tuple[str, str]:
     fast = wire_compiled.decode(wire.Batch, body)
     if fast is not None:  # the compiled path is never looser than the reference, and gives the same batch
         assert expected == ("ok", json.dumps(fast)), body[:2000]
+    kept = wire_compiled.decode(wire.Batch, body, ("gpus",))
+    if kept is not None:  # the GPU samples ingest keeps as records hold the same values
+        assert all(isinstance(g, wire_compiled.Struct) for g in kept["gpus"]), body[:2000]
+        assert expected == ("ok", json.dumps(msgspec.to_builtins(kept))), body[:2000]
     return expected
 
 
@@ -138,6 +143,7 @@ def tricky(tp: Any) -> list[Any]:
     args = typing.get_args(tp)
     if type(None) in args and len(args) == 2:
         tp, meta = _parts(next(a for a in args if a is not type(None)))
+        args = typing.get_args(tp)  # a Literal's own values, not the union's (which are not JSON)
     rng, ln, pat = meta.get(wire.Range), meta.get(wire.Len), meta.get(wire.Pattern)
     out: list[Any] = [None, True, "1", [], {}, Raw("NaN"), Raw("-Infinity"), Raw("1e999"), Raw("1" * 400), Raw("-0.0")]
     if tp in (int, float) and rng:
@@ -266,3 +272,32 @@ def test_an_unbounded_integer_cannot_be_declared() -> None:
 
     with pytest.raises(TypeError, match="Range"):
         wire_compiled.struct(Loose)
+
+
+def gpu_batch() -> dict[str, Any]:
+    return {"v": 1, "agent_id": "a", "seq": 3, "host": "h", "sent_at": 1.7e9, "gpus": [
+        {"ts": 1.7e9, "index": i, "uuid": f"GPU-{i}", "util_gpu_pct": 50.5, "mem_used_bytes": 2**40 + i, "temp_c": None,
+         "throttle_reasons": ["sw_power_cap"] if i else [], "ecc_dbe_volatile": 0, "remap_pending": False,
+         "unavailable": {"nvlink": "not supported"}} for i in range(3)]}
+
+
+def test_a_kept_gpu_record_reads_like_the_dict_it_replaces() -> None:
+    body = json.dumps(gpu_batch()).encode()
+    as_dicts, as_records = wire.parse_batch(body), wire.parse_batch(body, gpu_records=True)
+    assert len(as_records["gpus"]) == 3 and all(type(g) is dict for g in as_dicts["gpus"])
+    for d, r in zip(as_dicts["gpus"], as_records["gpus"], strict=True):
+        assert isinstance(r, wire_compiled.Struct)
+        assert {k: r[k] for k in d} == d and {k: r.get(k) for k in d} == d and set(r.__struct_fields__) == set(d)
+        assert r.get("no_such_field") is None and r.get("no_such_field", 7) == 7
+        with pytest.raises(KeyError):
+            r["no_such_field"]
+    assert {k: v for k, v in as_records.items() if k != "gpus"} == {k: v for k, v in as_dicts.items() if k != "gpus"}
+
+
+def test_the_reference_path_answers_dicts_even_when_records_are_asked_for() -> None:
+    batch = gpu_batch()
+    batch["gpus"][0]["index"] = Raw("3.0")  # an integral float: the compiled path leaves it to the reference path
+    body = dumps(batch, ascii_only=True).encode()
+    assert wire_compiled.decode(wire.Batch, body, ("gpus",)) is None
+    got = wire.parse_batch(body, gpu_records=True)
+    assert type(got["gpus"][0]) is dict and got["gpus"][0]["index"] == 3 and type(got["gpus"][0]["index"]) is int

@@ -20,7 +20,7 @@ from django.db import DatabaseError, connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from clusterdx import wire
+from clusterdx import wire, wire_compiled
 from dashboard import metrics
 from dashboard.ingest import commit
 from dashboard.ingest.errors import ERRORS
@@ -66,8 +66,12 @@ def _newest(batch: dict[str, Any]) -> float:
     validated batch's record lists are lists of dicts, each with its ``ts``), without a path for each."""
     newest = batch["sent_at"] if batch.get("sent_at") is not None else 0.0
     for value in batch.values():
-        if type(value) is list and value and type(value[0]) is dict and "ts" in value[0]:
-            newest = max(newest, max(record["ts"] for record in value))
+        if type(value) is list and value:
+            if type(value[0]) is dict:
+                if "ts" in value[0]:
+                    newest = max(newest, max(record["ts"] for record in value))
+            elif isinstance(value[0], wire_compiled.Struct) and "ts" in value[0].__struct_fields__:
+                newest = max(newest, max(record.ts for record in value))  # the GPU samples parse_batch kept
     return newest
 
 
@@ -183,7 +187,8 @@ def check_body(poster: Poster, body: bytes, gzipped: bool, limit: int) -> Checke
         except zlib.error as exc:
             return _refuse("bad_encoding", f"invalid gzip body: {exc}")
     try:
-        batch = wire.parse_batch(body)  # decoded and validated in one pass (msgspec types generated from the wire)
+        # Decoded and validated in one pass (msgspec types generated from the wire); the GPU samples stay its records.
+        batch = wire.parse_batch(body, gpu_records=True)
     except wire.MalformedJson as exc:
         return _refuse("malformed_json", f"invalid JSON: {str(exc)[:200]}")
     except wire.WireError as exc:

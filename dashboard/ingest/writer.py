@@ -49,6 +49,8 @@ def _columns(record: type[wire.Record]) -> list[str]:
 
 
 GPU_FIELDS = _columns(wire.GpuSample)
+_GPU_ID = ("index", "uuid", "name", "pci_bus_id")
+_GPU_ID_ITEM, _GPU_ID_ATTR = operator.itemgetter(*_GPU_ID), operator.attrgetter(*_GPU_ID)
 HOST_FIELDS = _columns(wire.HostSample)
 PORT_FIELDS = _columns(wire.PortSample)
 STEP_FIELDS = _columns(wire.Step)
@@ -257,9 +259,10 @@ class _Inventory:
         each (a server that starts under 2,048 nodes meets 16,384 of them in its first seconds)."""
         new: dict[tuple[int, int], tuple[tuple[int, int, str | None], tuple[str, str, str]]] = {}
         for node_id, g in seen:
-            key = (node_id, g["index"], g["uuid"])
+            index, uuid, name, pci = (_GPU_ID_ITEM if type(g) is dict else _GPU_ID_ATTR)(g)
+            key = (node_id, index, uuid)
             if key not in self.gpus:
-                new[(node_id, g["index"])] = (key, (g["uuid"] or "", g["name"] or "", g["pci_bus_id"] or ""))
+                new[(node_id, index)] = (key, (uuid or "", name or "", pci or ""))
         if not new:
             return
         have = {(n, i): (u, name, pci) for n, i, u, name, pci in m.Gpu.objects.filter(
@@ -678,6 +681,7 @@ def _getter(fields: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
 
 
 _GPU, _HOST, _PORT = _getter(GPU_FIELDS), _getter(HOST_FIELDS), _getter(PORT_FIELDS)
+_GPU_ATTR = operator.attrgetter(*GPU_FIELDS)  # the same fields of the compiled records ingest keeps
 _STEP, _EVENT, _PROBE = _getter(STEP_FIELDS), _getter(EVENT_FIELDS), _getter(PROBE_FIELDS)
 
 
@@ -699,7 +703,11 @@ def _collect_series(rows: Rows, cluster: m.Cluster, node_id: int, batch: dict[st
             when = times[ts] = _dt(ts)
         return when
 
-    rows[m.GpuSample] += [[c, n, g["index"], dt(g["ts"]), *_GPU(g)] for g in batch["gpus"]]
+    samples = batch["gpus"]
+    if samples and type(samples[0]) is not dict:  # the compiled records the ingest path keeps (wire.parse_batch)
+        rows[m.GpuSample] += [[c, n, g.index, dt(g.ts), *_GPU_ATTR(g)] for g in samples]
+    else:
+        rows[m.GpuSample] += [[c, n, g["index"], dt(g["ts"]), *_GPU(g)] for g in samples]
     rows[m.HostSample] += [[c, n, dt(h["ts"]), *_HOST(h)] for h in batch["hosts"]]
     rows[m.PortSample] += [[c, n, dt(p["ts"]), *_PORT(p)] for p in batch["ports"]]
     rows[m.StepSample] += [[c, n, runs[s["run"]], dt(s["ts"]), *_STEP(s)] for s in batch["steps"]]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import queue
 import threading
 import time
@@ -88,8 +89,9 @@ def publish_batches(items: list[tuple[int, str, dict[str, Any], dict[str, int]]]
     beats: dict[int, dict[str, list[dict[str, Any]]]] = {}
     messages: list[tuple[str, dict[str, Any]]] = []
     for cluster_id, host, batch, runs in items:
-        gpus = [[host, g["index"], g["ts"], g["util_gpu_pct"], g["mem_used_bytes"], g["power_w"], g["temp_c"]]
-                for g in batch["gpus"]]
+        samples = batch["gpus"]
+        live_fields = _LIVE_ITEM if not samples or type(samples[0]) is dict else _LIVE_ATTR
+        gpus = [[host, *live_fields(g)] for g in samples]
         by_cluster.setdefault(cluster_id, {}).setdefault(host, []).extend(gpus)  # a replayed spool: two of one host
         if batch["beats"]:
             # Only where each rank is now matters (the diagnosis reads it to name the rank that stopped a run).
@@ -106,14 +108,18 @@ def publish_batches(items: list[tuple[int, str, dict[str, Any], dict[str, int]]]
 
 Items = list[tuple[int, str, dict[str, Any], dict[str, int]]]
 
-GPU_FIELDS = ("index", "ts", "util_gpu_pct", "mem_used_bytes", "power_w", "temp_c")
+GPU_FIELDS = ("index", "ts", "util_gpu_pct", "mem_used_bytes", "power_w", "temp_c")  # what a browser sees of a GPU
+# Read from a dict, or from the compiled record that ingest keeps (wire.parse_batch's gpu_records).
+_LIVE_ITEM, _LIVE_ATTR = operator.itemgetter(*GPU_FIELDS), operator.attrgetter(*GPU_FIELDS)
 STEP_FIELDS = ("run", "step", "rank", "ts", "step_time_s", "data_wait_s", "compute_s", "comm_s", "tokens")
 
 
 def live_part(batch: dict[str, Any]) -> dict[str, Any]:
     """What :func:`publish_batches` reads of a stored batch, and nothing more: a process that stores batches for
     another to publish (:mod:`dashboard.ingest.remote`) sends this, a fraction of the batch to pickle."""
-    return {"gpus": [{k: g[k] for k in GPU_FIELDS} for g in batch["gpus"]], "beats": batch["beats"],
+    samples = batch["gpus"]
+    live_fields = _LIVE_ITEM if not samples or type(samples[0]) is dict else _LIVE_ATTR
+    return {"gpus": [dict(zip(GPU_FIELDS, live_fields(g), strict=True)) for g in samples], "beats": batch["beats"],
             "steps": [{k: s[k] for k in STEP_FIELDS} for s in batch["steps"]],
             "events": [e for e in batch["events"] if e["severity"] in SEVERE]}
 
