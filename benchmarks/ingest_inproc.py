@@ -59,14 +59,14 @@ def _bodies(nodes: int, seconds: int, prefix: str) -> list[list[bytes]]:
     return [[json.dumps(b, separators=(",", ":")).encode() for b in sim.tick(start + t)] for t in range(1, seconds + 1)]
 
 
-GPU_RECORDS = True  # as the server's ingest parses (--gpu-dicts: the GPU samples as dicts, as before 2026-12-03)
+KEEP_RECORDS = True  # as the server's ingest parses (--dicts: every record a dict, as before 2026-12-03)
 
 
 def _validate(body: bytes) -> tuple[dict[str, Any], str]:
     from clusterdx import wire
 
     # What the server runs: the compiled decoder (the reference path only words the errors of refused batches).
-    return wire.parse_batch(body, gpu_records=GPU_RECORDS), hashlib.sha256(body).hexdigest()
+    return wire.parse_batch(body, keep_records=KEEP_RECORDS), hashlib.sha256(body).hexdigest()
 
 
 def _checkpoint() -> float:
@@ -118,19 +118,20 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=64)
     ap.add_argument("--seconds", type=int, default=10)
     ap.add_argument("--group", type=int, default=64, help="batches per commit in the group mode")
-    ap.add_argument("--gpu-dicts", action="store_true", help="parse the GPU samples into dicts (the path before "
-                    "wire.parse_batch kept them as the decoder's records)")
+    ap.add_argument("--dicts", action="store_true", help="parse every record into a dict (the path before the "
+                    "server kept the GPU samples, steps and probes as the decoder's records)")
     ap.add_argument("--server-gc", action="store_true", help="tune the garbage collector as the server does at its "
                     "first batch (gc.freeze, a young collection every 50,000 allocations)")
     args = ap.parse_args()
-    global GPU_RECORDS
-    GPU_RECORDS = not args.gpu_dicts
+    global KEEP_RECORDS
+    KEEP_RECORDS = not args.dicts
+    _setup(args.backend)
+    from django.db import connection
+
     if args.server_gc:
         from dashboard.ingest import asgi
 
         asgi._tune_gc()
-    _setup(args.backend)
-    from django.db import connection
 
     print(f"backend {connection.vendor}, {args.nodes} nodes x 8 GPUs x {args.seconds} s, group of {args.group}")
     results = {mode: run(mode, args.nodes, args.seconds, args.group) for mode in ("per-batch", "group")}

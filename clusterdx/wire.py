@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import re
 import typing
 from collections.abc import Callable, Iterator
@@ -675,7 +676,12 @@ def validate_batch(value: Any) -> dict[str, Any]:
     return validate(Batch, value)
 
 
-def parse_batch(body: bytes, *, gpu_records: bool = False) -> dict[str, Any]:
+# The record lists the server's ingest keeps as the compiled records (parse_batch's keep_records): the many, wide
+# records of a node-second, which only the writer and the live publisher read.
+KEPT_RECORDS = ("gpus", "steps", "probes")
+
+
+def parse_batch(body: bytes, *, keep_records: bool = False) -> dict[str, Any]:
     """Decode and validate a batch's JSON bytes: what ``validate_batch(json.loads(body))`` returns, in a fraction of
     its time. Raises :class:`MalformedJson` for bytes that are not JSON and :class:`WireError` for a batch that is
     not of the wire format, with the reference path's exact message.
@@ -685,11 +691,12 @@ def parse_batch(body: bytes, *, gpu_records: bool = False) -> dict[str, Any]:
     reference path, which decides and words the error. Imported here, not at the top: agents and hooks use this module
     without msgspec.
 
-    ``gpu_records``: the GPU samples may stay the compiled path's records (read by key like a dict, and by attribute),
-    not dicts: what the server's ingest takes (its readers take either kind: the reference path returns dicts)."""
+    ``keep_records``: the GPU samples, steps and probes (:data:`KEPT_RECORDS`) may stay the compiled path's records
+    (read by attribute, or by key like a dict), not dicts: what the server's ingest takes. Its readers take either
+    kind (:class:`Fields`): the reference path, and producers in the server's process, give dicts."""
     from clusterdx import wire_compiled
 
-    batch = wire_compiled.decode(Batch, body, ("gpus",) if gpu_records else ())
+    batch = wire_compiled.decode(Batch, body, KEPT_RECORDS if keep_records else ())
     if batch is not None:
         return batch
     try:
@@ -700,6 +707,20 @@ def parse_batch(body: bytes, *, gpu_records: bool = False) -> dict[str, Any]:
         return validate_batch(payload)
     except RecursionError:
         raise WireError("", "nesting too deep") from None
+
+
+class Fields:
+    """Reads ``names`` of a batch's records at C speed (operator's getters) whichever kind :func:`parse_batch` gave:
+    dicts, or the compiled records it keeps with ``keep_records``. One name reads its bare value, several a tuple."""
+
+    __slots__ = ("attr", "item")
+
+    def __init__(self, *names: str) -> None:
+        self.item, self.attr = operator.itemgetter(*names), operator.attrgetter(*names)
+
+    def of(self, records: list[Any]) -> Callable[[Any], Any]:
+        """The getter for the records of one list (a list holds one kind)."""
+        return self.attr if records and type(records[0]) is not dict else self.item
 
 
 def field_names(cls: type[Record]) -> tuple[str, ...]:

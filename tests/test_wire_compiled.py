@@ -76,9 +76,9 @@ def assert_same(body: bytes) -> tuple[str, str]:
     fast = wire_compiled.decode(wire.Batch, body)
     if fast is not None:  # the compiled path is never looser than the reference, and gives the same batch
         assert expected == ("ok", json.dumps(fast)), body[:2000]
-    kept = wire_compiled.decode(wire.Batch, body, ("gpus",))
-    if kept is not None:  # the GPU samples ingest keeps as records hold the same values
-        assert all(isinstance(g, wire_compiled.Struct) for g in kept["gpus"]), body[:2000]
+    kept = wire_compiled.decode(wire.Batch, body, wire.KEPT_RECORDS)
+    if kept is not None:  # the records ingest keeps as the decoder's hold the same values
+        assert all(isinstance(r, wire_compiled.Struct) for k in wire.KEPT_RECORDS for r in kept[k]), body[:2000]
         assert expected == ("ok", json.dumps(msgspec.to_builtins(kept))), body[:2000]
     return expected
 
@@ -274,30 +274,39 @@ def test_an_unbounded_integer_cannot_be_declared() -> None:
         wire_compiled.struct(Loose)
 
 
-def gpu_batch() -> dict[str, Any]:
+def wide_batch() -> dict[str, Any]:
     return {"v": 1, "agent_id": "a", "seq": 3, "host": "h", "sent_at": 1.7e9, "gpus": [
         {"ts": 1.7e9, "index": i, "uuid": f"GPU-{i}", "util_gpu_pct": 50.5, "mem_used_bytes": 2**40 + i, "temp_c": None,
          "throttle_reasons": ["sw_power_cap"] if i else [], "ecc_dbe_volatile": 0, "remap_pending": False,
-         "unavailable": {"nvlink": "not supported"}} for i in range(3)]}
+         "unavailable": {"nvlink": "not supported"}} for i in range(3)],
+        "steps": [{"run": "r", "rank": i, "step": 7, "ts": 1.7e9, "step_time_s": 1.5, "phases": {"fwd": 0.5},
+                   "groups": [{"role": "tp", "name": "tp", "group_rank": i, "group_size": 2, "calls": 4,
+                               "inflight_s": 0.25}]} for i in range(2)],
+        "probes": [{"ts": 1.7e9, "peer": "g", "sent": 10, "lost": 0, "rtt_ms": 0.05}]}
 
 
-def test_a_kept_gpu_record_reads_like_the_dict_it_replaces() -> None:
-    body = json.dumps(gpu_batch()).encode()
-    as_dicts, as_records = wire.parse_batch(body), wire.parse_batch(body, gpu_records=True)
-    assert len(as_records["gpus"]) == 3 and all(type(g) is dict for g in as_dicts["gpus"])
-    for d, r in zip(as_dicts["gpus"], as_records["gpus"], strict=True):
-        assert isinstance(r, wire_compiled.Struct)
-        assert {k: r[k] for k in d} == d and {k: r.get(k) for k in d} == d and set(r.__struct_fields__) == set(d)
-        assert r.get("no_such_field") is None and r.get("no_such_field", 7) == 7
-        with pytest.raises(KeyError):
-            r["no_such_field"]
-    assert {k: v for k, v in as_records.items() if k != "gpus"} == {k: v for k, v in as_dicts.items() if k != "gpus"}
+def test_a_kept_record_reads_like_the_dict_it_replaces() -> None:
+    body = json.dumps(wide_batch()).encode()
+    as_dicts, as_records = wire.parse_batch(body), wire.parse_batch(body, keep_records=True)
+    for key in wire.KEPT_RECORDS:
+        assert as_records[key] and all(type(d) is dict for d in as_dicts[key])
+        for d, r in zip(as_dicts[key], as_records[key], strict=True):
+            assert isinstance(r, wire_compiled.Struct)
+            assert msgspec.to_builtins({k: r[k] for k in d}) == msgspec.to_builtins({k: r.get(k) for k in d}) == d
+            assert set(r.__struct_fields__) == set(d) and wire.Fields("ts", "ts").of([r])(r) == (d["ts"], d["ts"])
+            assert r.get("no_such_field") is None and r.get("no_such_field", 7) == 7
+            with pytest.raises(KeyError):
+                r["no_such_field"]
+    assert as_records["steps"][0]["groups"][0]["name"] == "tp"  # a record inside a kept one is read alike
+    rest = set(as_dicts) - set(wire.KEPT_RECORDS)
+    assert {k: as_records[k] for k in rest} == {k: as_dicts[k] for k in rest}
 
 
 def test_the_reference_path_answers_dicts_even_when_records_are_asked_for() -> None:
-    batch = gpu_batch()
+    batch = wide_batch()
     batch["gpus"][0]["index"] = Raw("3.0")  # an integral float: the compiled path leaves it to the reference path
     body = dumps(batch, ascii_only=True).encode()
-    assert wire_compiled.decode(wire.Batch, body, ("gpus",)) is None
-    got = wire.parse_batch(body, gpu_records=True)
-    assert type(got["gpus"][0]) is dict and got["gpus"][0]["index"] == 3 and type(got["gpus"][0]["index"]) is int
+    assert wire_compiled.decode(wire.Batch, body, wire.KEPT_RECORDS) is None
+    got = wire.parse_batch(body, keep_records=True)
+    assert all(type(r) is dict for k in wire.KEPT_RECORDS for r in got[k])
+    assert got["gpus"][0]["index"] == 3 and type(got["gpus"][0]["index"]) is int

@@ -187,8 +187,8 @@ def check_body(poster: Poster, body: bytes, gzipped: bool, limit: int) -> Checke
         except zlib.error as exc:
             return _refuse("bad_encoding", f"invalid gzip body: {exc}")
     try:
-        # Decoded and validated in one pass (msgspec types generated from the wire); the GPU samples stay its records.
-        batch = wire.parse_batch(body, gpu_records=True)
+        # Decoded and validated in one pass (msgspec types generated from the wire); its wide records stay records.
+        batch = wire.parse_batch(body, keep_records=True)
     except wire.MalformedJson as exc:
         return _refuse("malformed_json", f"invalid JSON: {str(exc)[:200]}")
     except wire.WireError as exc:

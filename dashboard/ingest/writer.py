@@ -8,7 +8,6 @@ sent only after the commit (``transaction.on_commit``), so a browser never sees 
 from __future__ import annotations
 
 import logging
-import operator
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -49,8 +48,7 @@ def _columns(record: type[wire.Record]) -> list[str]:
 
 
 GPU_FIELDS = _columns(wire.GpuSample)
-_GPU_ID = ("index", "uuid", "name", "pci_bus_id")
-_GPU_ID_ITEM, _GPU_ID_ATTR = operator.itemgetter(*_GPU_ID), operator.attrgetter(*_GPU_ID)
+_GPU_ID = wire.Fields("index", "uuid", "name", "pci_bus_id")
 HOST_FIELDS = _columns(wire.HostSample)
 PORT_FIELDS = _columns(wire.PortSample)
 STEP_FIELDS = _columns(wire.Step)
@@ -259,7 +257,7 @@ class _Inventory:
         each (a server that starts under 2,048 nodes meets 16,384 of them in its first seconds)."""
         new: dict[tuple[int, int], tuple[tuple[int, int, str | None], tuple[str, str, str]]] = {}
         for node_id, g in seen:
-            index, uuid, name, pci = (_GPU_ID_ITEM if type(g) is dict else _GPU_ID_ATTR)(g)
+            index, uuid, name, pci = (_GPU_ID.item if type(g) is dict else _GPU_ID.attr)(g)  # groups mix kinds
             key = (node_id, index, uuid)
             if key not in self.gpus:
                 new[(node_id, index)] = (key, (uuid or "", name or "", pci or ""))
@@ -414,7 +412,7 @@ def _with_gap_event(batch: dict[str, Any], received: datetime) -> dict[str, Any]
 
 
 def _run_ids(cluster: m.Cluster, batch: dict[str, Any], memo: dict[tuple[int, str], int] | None = None) -> dict[str, int]:
-    names = {s["run"] for s in batch["steps"]} | {r["run"] for r in batch["runs"]}
+    names = set(map(_RUN.of(batch["steps"]), batch["steps"])) | {r["run"] for r in batch["runs"]}
     names |= {e["run"] for e in batch["events"] if e["run"]}
     return {name: inventory.run_id(cluster, name, memo) for name in names}
 
@@ -673,16 +671,12 @@ def _new_rows() -> Rows:
     return {model: [] for model, _ in SERIES}
 
 
-def _getter(fields: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
-    """The values of ``fields`` of a record, as a tuple (itemgetter, in C; it returns a bare value for one field)."""
-    if len(fields) == 1:
-        return lambda record: (record[fields[0]],)
-    return operator.itemgetter(*fields)
-
-
-_GPU, _HOST, _PORT = _getter(GPU_FIELDS), _getter(HOST_FIELDS), _getter(PORT_FIELDS)
-_GPU_ATTR = operator.attrgetter(*GPU_FIELDS)  # the same fields of the compiled records ingest keeps
-_STEP, _EVENT, _PROBE = _getter(STEP_FIELDS), _getter(EVENT_FIELDS), _getter(PROBE_FIELDS)
+# Each table's record fields in its column order after (cluster, node): from dicts or from the compiled records the
+# ingest path keeps (wire.parse_batch's keep_records). The sample time (and a step's or event's run name) is read
+# with them and turned into its column's value after.
+_GPU = wire.Fields("index", "ts", *GPU_FIELDS)
+_HOST, _PORT, _PROBE = (wire.Fields("ts", *f) for f in (HOST_FIELDS, PORT_FIELDS, PROBE_FIELDS))
+_STEP, _EVENT = wire.Fields("run", "ts", *STEP_FIELDS), wire.Fields("run", "ts", *EVENT_FIELDS)
 
 
 def _collect_series(rows: Rows, cluster: m.Cluster, node_id: int, batch: dict[str, Any], runs: dict[str, int],
@@ -697,22 +691,29 @@ def _collect_series(rows: Rows, cluster: m.Cluster, node_id: int, batch: dict[st
     # A node's GPUs, ranks and probes share a sample time: one datetime each.
     times: dict[float, datetime] = {}
 
-    def dt(ts: float) -> datetime:
-        when = times.get(ts)
-        if when is None:
-            when = times[ts] = _dt(ts)
-        return when
+    def add(model: type[models.Model], fields: wire.Fields, records: list[Any], at: int, run: bool = False) -> None:
+        """Rows of ``records``: their sample time (column ``at``) made a datetime, and with ``run`` the run's name
+        (column 2) its id."""
+        if not records:
+            return
+        get, new = fields.of(records), rows[model]
+        start = len(new)
+        new += [[c, n, *get(r)] for r in records]
+        for i in range(start, len(new)):
+            row = new[i]
+            when = times.get(row[at])
+            if when is None:
+                when = times[row[at]] = _dt(row[at])
+            row[at] = when
+            if run:
+                row[2] = runs[row[2]] if row[2] else None  # an event may belong to no run
 
-    samples = batch["gpus"]
-    if samples and type(samples[0]) is not dict:  # the compiled records the ingest path keeps (wire.parse_batch)
-        rows[m.GpuSample] += [[c, n, g.index, dt(g.ts), *_GPU_ATTR(g)] for g in samples]
-    else:
-        rows[m.GpuSample] += [[c, n, g["index"], dt(g["ts"]), *_GPU(g)] for g in samples]
-    rows[m.HostSample] += [[c, n, dt(h["ts"]), *_HOST(h)] for h in batch["hosts"]]
-    rows[m.PortSample] += [[c, n, dt(p["ts"]), *_PORT(p)] for p in batch["ports"]]
-    rows[m.StepSample] += [[c, n, runs[s["run"]], dt(s["ts"]), *_STEP(s)] for s in batch["steps"]]
-    rows[m.Event] += [[c, n, runs[e["run"]] if e["run"] else None, dt(e["ts"]), *_EVENT(e)] for e in batch["events"]]
-    rows[m.Probe] += [[c, n, dt(p["ts"]), *_PROBE(p)] for p in batch["probes"]]
+    add(m.GpuSample, _GPU, batch["gpus"], 3)
+    add(m.HostSample, _HOST, batch["hosts"], 2)
+    add(m.PortSample, _PORT, batch["ports"], 2)
+    add(m.StepSample, _STEP, batch["steps"], 3, run=True)
+    add(m.Event, _EVENT, batch["events"], 3, run=True)
+    add(m.Probe, _PROBE, batch["probes"], 2)
 
 
 @contextmanager
@@ -746,12 +747,15 @@ def _count(batch: dict[str, Any]) -> int:
     return sum(len(batch[k]) for k in ("gpus", "hosts", "ports", "steps", "events", "probes", "runs"))
 
 
-def _advance_runs(steps: list[dict[str, Any]], runs: dict[str, int]) -> None:
+_RUN_STEP_TS, _RUN = wire.Fields("run", "step", "ts"), wire.Fields("run")
+
+
+def _advance_runs(steps: list[Any], runs: dict[str, int]) -> None:
     last: dict[int, tuple[int, float]] = {}
-    for s in steps:
-        run_id = runs[s["run"]]
-        if run_id not in last or s["step"] > last[run_id][0]:
-            last[run_id] = (s["step"], s["ts"])
+    for name, step, ts in map(_RUN_STEP_TS.of(steps), steps):
+        run_id = runs[name]
+        if run_id not in last or step > last[run_id][0]:
+            last[run_id] = (step, ts)
     for run_id, (step, ts) in last.items():
         # Every node of a run reports the same steps: one UPDATE per run per second is enough, not one per batch.
         seen = inventory.run_advanced.get(run_id)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import operator
 import queue
 import threading
 import time
 from typing import Any
 
+from clusterdx import wire
 from dashboard.live.broadcast import broadcast_all, cluster_group, run_group
 from dashboard.live.state import get_state
 
@@ -90,8 +90,7 @@ def publish_batches(items: list[tuple[int, str, dict[str, Any], dict[str, int]]]
     messages: list[tuple[str, dict[str, Any]]] = []
     for cluster_id, host, batch, runs in items:
         samples = batch["gpus"]
-        live_fields = _LIVE_ITEM if not samples or type(samples[0]) is dict else _LIVE_ATTR
-        gpus = [[host, *live_fields(g)] for g in samples]
+        gpus = [[host, *g] for g in map(_GPU.of(samples), samples)]
         by_cluster.setdefault(cluster_id, {}).setdefault(host, []).extend(gpus)  # a replayed spool: two of one host
         if batch["beats"]:
             # Only where each rank is now matters (the diagnosis reads it to name the rank that stopped a run).
@@ -109,18 +108,20 @@ def publish_batches(items: list[tuple[int, str, dict[str, Any], dict[str, int]]]
 Items = list[tuple[int, str, dict[str, Any], dict[str, int]]]
 
 GPU_FIELDS = ("index", "ts", "util_gpu_pct", "mem_used_bytes", "power_w", "temp_c")  # what a browser sees of a GPU
-# Read from a dict, or from the compiled record that ingest keeps (wire.parse_batch's gpu_records).
-_LIVE_ITEM, _LIVE_ATTR = operator.itemgetter(*GPU_FIELDS), operator.attrgetter(*GPU_FIELDS)
 STEP_FIELDS = ("run", "step", "rank", "ts", "step_time_s", "data_wait_s", "compute_s", "comm_s", "tokens")
+
+
+# What the live layer reads of the records, from dicts or from the compiled records ingest keeps (wire.KEPT_RECORDS).
+_GPU, _STEPS = wire.Fields(*GPU_FIELDS), wire.Fields(*STEP_FIELDS)
+_LIVE_STEP = wire.Fields("run", "step", "rank", "ts", "step_time_s", "data_wait_s", "compute_s", "comm_s", "tokens")
 
 
 def live_part(batch: dict[str, Any]) -> dict[str, Any]:
     """What :func:`publish_batches` reads of a stored batch, and nothing more: a process that stores batches for
     another to publish (:mod:`dashboard.ingest.remote`) sends this, a fraction of the batch to pickle."""
-    samples = batch["gpus"]
-    live_fields = _LIVE_ITEM if not samples or type(samples[0]) is dict else _LIVE_ATTR
-    return {"gpus": [dict(zip(GPU_FIELDS, live_fields(g), strict=True)) for g in samples], "beats": batch["beats"],
-            "steps": [{k: s[k] for k in STEP_FIELDS} for s in batch["steps"]],
+    gpus, steps = batch["gpus"], batch["steps"]
+    return {"gpus": [dict(zip(GPU_FIELDS, g, strict=True)) for g in map(_GPU.of(gpus), gpus)], "beats": batch["beats"],
+            "steps": [dict(zip(STEP_FIELDS, s, strict=True)) for s in map(_STEPS.of(steps), steps)],
             "events": [e for e in batch["events"] if e["severity"] in SEVERE]}
 
 
@@ -171,10 +172,9 @@ def _messages(cluster_id: int, host: str, batch: dict[str, Any], runs: dict[str,
     if gpus:
         messages.append((cluster_group(cluster_id), {"type": "gpus", "cluster": cluster_id, "gpus": gpus}))
     by_run: dict[int, list[list[Any]]] = {}
-    for s in batch["steps"]:
-        by_run.setdefault(runs[s["run"]], []).append(
-            [s["step"], s["rank"], s["ts"], s["step_time_s"], s["data_wait_s"], s["compute_s"], s["comm_s"], s["tokens"]]
-        )
+    steps = batch["steps"]
+    for run, *row in map(_LIVE_STEP.of(steps), steps):
+        by_run.setdefault(runs[run], []).append(row)
     for run_id, rows in by_run.items():
         messages.append((run_group(run_id), {"type": "steps", "run": run_id, "steps": rows}))
     events = [
