@@ -213,6 +213,7 @@ class Results:
     latencies_s: list[float] = field(default_factory=list)
     accepted_node_s: int = 0
     retries: int = 0
+    resent: int = 0  # posts sent again after the server closed their connection unanswered
     unanswered: int = 0  # posts still waiting for an answer when the drain ended
     adverts: Counter[float] = field(default_factory=Counter)
 
@@ -248,6 +249,15 @@ class Generator:
         while True:
             try:
                 status, answer, retry_after = await self.request(post.body)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # A kept-alive connection the server closed as the post went out (uvicorn closes one idle 5 s, as
+                # between the warm-up and the run): unanswered, so sent again, as an agent sends its spooled batch
+                # again; the (cluster, agent, seq) ledger stores it once.
+                if time.time() < self.deadline:
+                    self.results.resent += 1
+                    continue
+                self.results.outcomes[f"error_{type(exc).__name__}"] += 1
+                return 0
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 self.results.outcomes[f"error_{type(exc).__name__}"] += 1
                 return 0
@@ -466,7 +476,8 @@ def main() -> int:
           f"({plan.raw_bytes / max(1, sum(sizes)):.1f}x compressed)")
     print(f"node-seconds: offered {offered:,}, accepted {res.accepted_node_s:,} "
           f"({res.accepted_node_s / max(1, offered):.3f} of offered); answers {dict(res.outcomes)}; "
-          f"{res.retries} retried after 429/503; {res.unanswered} posts unanswered {args.drain:g} s after the end")
+          f"{res.retries} retried after 429/503, {res.resent} resent after a dropped connection; "
+          f"{res.unanswered} posts unanswered {args.drain:g} s after the end")
     print(f"adverts seen during the run: {dict(res.adverts) or 'none'}"
           + ("  !! the server asked for more than the generator used" if any(a > period for a in res.adverts) else ""))
     print(f"ingest latency (due -> answer): p50 {1000 * pct(lat, 50):.0f} ms  p90 {1000 * pct(lat, 90):.0f} ms  "
