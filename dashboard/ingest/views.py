@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import operator
 import time
 import zlib
 from collections.abc import Mapping
@@ -61,9 +62,13 @@ def clock_skew(batch: dict[str, Any], now: float) -> str | None:
     return None
 
 
+_TS = operator.attrgetter("ts")
+
+
 def _newest(batch: dict[str, Any]) -> float:
     """The latest of ``sent_at`` and every record's ``ts``: the times :func:`clusterdx.wire.timestamps` yields (a
-    validated batch's record lists are lists of dicts, each with its ``ts``), without a path for each."""
+    validated batch's record lists are lists of dicts or of the records it kept, each with its ``ts``), without a path
+    for each."""
     newest = batch["sent_at"] if batch.get("sent_at") is not None else 0.0
     for value in batch.values():
         if type(value) is list and value:
@@ -71,7 +76,7 @@ def _newest(batch: dict[str, Any]) -> float:
                 if "ts" in value[0]:
                     newest = max(newest, max(record["ts"] for record in value))
             elif isinstance(value[0], wire_compiled.Struct) and "ts" in value[0].__struct_fields__:
-                newest = max(newest, max(record.ts for record in value))  # the GPU samples parse_batch kept
+                newest = max(newest, max(map(_TS, value)))  # the records parse_batch kept
     return newest
 
 

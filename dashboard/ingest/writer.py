@@ -550,9 +550,17 @@ def _per_object(adapt: Callable[[Any], Any]) -> Adapter:
     return column
 
 
+_EMPTY_JSON = {list: "[]", dict: "{}"}
+
+
 def _json_text(value: Any) -> str | None:
-    # msgspec writes the same JSON as json.dumps (whitespace aside) several times faster: most rows carry a JSON column.
-    return None if value is None else _encode_json(value).decode()
+    # msgspec writes the same JSON as json.dumps (whitespace aside) several times faster: most rows carry a JSON column,
+    # and many an empty one (a GPU's throttle reasons while it is not throttled), whose text needs no encoder.
+    if value is None:
+        return None
+    if not value and type(value) in _EMPTY_JSON:
+        return _EMPTY_JSON[type(value)]
+    return _encode_json(value).decode()
 
 
 def _json_pg(value: Any) -> Any:
