@@ -113,7 +113,6 @@ STEP_FIELDS = ("run", "step", "rank", "ts", "step_time_s", "data_wait_s", "compu
 
 # What the live layer reads of the records, from dicts or from the compiled records ingest keeps (wire.KEPT_RECORDS).
 _GPU, _STEPS = wire.Fields(*GPU_FIELDS), wire.Fields(*STEP_FIELDS)
-_LIVE_STEP = wire.Fields("run", "step", "rank", "ts", "step_time_s", "data_wait_s", "compute_s", "comm_s", "tokens")
 
 
 def live_part(batch: dict[str, Any]) -> dict[str, Any]:
@@ -173,7 +172,7 @@ def _messages(cluster_id: int, host: str, batch: dict[str, Any], runs: dict[str,
         messages.append((cluster_group(cluster_id), {"type": "gpus", "cluster": cluster_id, "gpus": gpus}))
     by_run: dict[int, list[list[Any]]] = {}
     steps = batch["steps"]
-    for run, *row in map(_LIVE_STEP.of(steps), steps):
+    for run, *row in map(_STEPS.of(steps), steps):  # the run, then a browser's step row
         by_run.setdefault(runs[run], []).append(row)
     for run_id, rows in by_run.items():
         messages.append((run_group(run_id), {"type": "steps", "run": run_id, "steps": rows}))
