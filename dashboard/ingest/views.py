@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import operator
 import time
 import zlib
 from collections.abc import Mapping
@@ -21,7 +20,7 @@ from django.db import DatabaseError, connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from clusterdx import wire, wire_compiled
+from clusterdx import wire
 from dashboard import metrics
 from dashboard.ingest import commit
 from dashboard.ingest.errors import ERRORS
@@ -62,7 +61,7 @@ def clock_skew(batch: dict[str, Any], now: float) -> str | None:
     return None
 
 
-_TS = operator.attrgetter("ts")
+_TS = wire.Fields("ts")
 
 
 def _newest(batch: dict[str, Any]) -> float:
@@ -72,11 +71,9 @@ def _newest(batch: dict[str, Any]) -> float:
     newest = batch["sent_at"] if batch.get("sent_at") is not None else 0.0
     for value in batch.values():
         if type(value) is list and value:
-            if type(value[0]) is dict:
-                if "ts" in value[0]:
-                    newest = max(newest, max(record["ts"] for record in value))
-            elif isinstance(value[0], wire_compiled.Struct) and "ts" in value[0].__struct_fields__:
-                newest = max(newest, max(map(_TS, value)))  # the records parse_batch kept
+            first = value[0]
+            if "ts" in (first if type(first) is dict else getattr(first, "__struct_fields__", ())):
+                newest = max(newest, max(map(_TS.of(value), value)))
     return newest
 
 
