@@ -351,10 +351,27 @@ class Testbed:
 
     def limit_rate(self, name: str, rate: str = "100mbit") -> None:
         """tbf both ways: the bridge end of the veth shapes what enters the node, the namespace end what leaves.
-        Replaces the link's rate if it has one."""
+        Replaces the link's rate if it has one: the old qdisc is deleted and a new one added, not changed in place.
+        CI runs twice found a node cut off entirely (every probe to it lost, its agent silent, its rank stopped) for
+        the 30 s after ``tc qdisc replace`` turned its 1 Gb/s tbf into a 100 Mb/s one, and a replace of a tbf by a
+        tbf is the kernel's tbf_change on the live qdisc and its queue; a new qdisc starts from a full bucket and an
+        empty queue (the packets queued in the old one are dropped, as a cable swap would, and TCP sends them again).
+        :meth:`links` prints what each qdisc did."""
         node = self.node(name)
-        run("tc", "qdisc", "replace", "dev", node.veth, *_tbf(rate))
-        run("ip", "netns", "exec", node.ns, "tc", "qdisc", "replace", "dev", "eth0", *_tbf(rate))
+        for prefix, dev in (((), node.veth), (("ip", "netns", "exec", node.ns), "eth0")):
+            run(*prefix, "tc", "qdisc", "del", "dev", dev, "root", check=False)  # none yet on a new link
+            run(*prefix, "tc", "qdisc", "add", "dev", dev, *_tbf(rate))
+
+    def links(self) -> list[str]:
+        """Each node's shaped link, both ends: the qdisc's rate and what it sent, dropped, held back and holds now
+        (``tc -s qdisc``), for failure messages: a link that stopped sending shows it here."""
+        out = []
+        for node in self.nodes:
+            for end, prefix, dev in (("switch side", (), node.veth),
+                                     ("node side", ("ip", "netns", "exec", node.ns), "eth0")):
+                text = run(*prefix, "tc", "-s", "qdisc", "show", "dev", dev, "root", check=False).stdout
+                out.append(f"  link {node.name} {end}: {' '.join(text.split())}")
+        return out
 
     def limit_uplink(self, rate: str = "100mbit") -> None:
         """tbf on both ends of the uplink between the racks: every cross-rack pair shares ``rate`` each way."""

@@ -143,6 +143,7 @@ class Watch:
                    if np.any(~np.isnan(s[c][rows]))}
             lines.append(f"  rank {rank}: last step {int(np.nanmax(s['step'][rows]))}, medians of the last 8: "
                          + ", ".join(f"{k} {v:.3f}" for k, v in med.items()))
+        lines += self.bed.links()
         return "\n".join(lines)
 
 
