@@ -101,10 +101,6 @@ class Packed:
     ``level`` > 0: the matrix zlib-compressed (a node's GPUs repeat their limits, clocks and zero counters, which
     SQLite's own record format stores in a byte or none, and a raw float64 matrix in eight)."""
 
-    def __init__(self, level: int = 0) -> None:
-        self.level = level
-        self.name = f"a row per node, zlib {level}" if level else "a row per node (packed)"
-
     ddl = ["CREATE TABLE g (id INTEGER PRIMARY KEY AUTOINCREMENT, cluster_id INTEGER, node_id INTEGER, "
            "ts TEXT, gpus INTEGER, values_f64 BLOB, json TEXT)",
            "CREATE INDEX g_cluster_ts ON g (cluster_id, ts)", "CREATE INDEX g_node_ts ON g (node_id, ts)"]
@@ -112,11 +108,16 @@ class Packed:
     get = wire.Fields("index", *NUM)
     get_json = wire.Fields(*JSON)
 
+    def __init__(self, level: int = 0) -> None:
+        self.level = level
+        self.name = f"a row per node, zlib {level}" if level else "a row per node (packed)"
+
     def rows(self, node: int, batch: dict[str, Any], stamps: dict[float, str]) -> list[list[Any]]:
         gpus = batch["gpus"]
         if not gpus:
             return []
-        ts = gpus[0].ts  # a node's GPUs share their sample time (the agent reads them in one pass)
+        ts = gpus[0].ts  # a node's GPUs share their sample time (the agent reads them in one pass;
+        # where they did not, the values read back would differ and the comparison at the end says so)
         mat = np.array(list(map(self.get.of(gpus), gpus)), dtype=object).astype(float)  # None -> NaN
         extra = list(map(self.get_json.of(gpus), gpus))
         blob = zlib.compress(mat.tobytes(), self.level) if self.level else mat.tobytes()
