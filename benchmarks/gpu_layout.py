@@ -2,11 +2,12 @@
 
 Today a node-second is eight GPU rows of 37 columns (``telemetry_gpusample``, one row per GPU, two indexes). The
 alternative measured here is one row per node-second: the eight GPUs' numeric fields as one float64 matrix in a BLOB
-(the pass reads it with ``np.frombuffer``: no Python object per cell) and their two JSON fields as one JSON list. Both
-layouts start from the same batches as the server decodes them (``wire.parse_batch(keep_records=True)``, the
-simulator's 8 GPUs a node) and build their rows the way the writer does (sample time as SQLite's datetime text, JSON
-cells with msgspec). Each layout fills ``--fill`` seconds of ``--nodes`` nodes, then times ``--seconds`` more in
-commits of ``--commit`` node-seconds, then reads the newest ``--delta`` seconds back as a pass's delta.
+(the pass reads it with ``np.frombuffer``: no Python object per cell) and their two JSON fields as one JSON list.
+Both layouts start from the same batches as the server decodes them (``wire.parse_batch(keep_records=True)``, the
+simulator's 8 GPUs a node) and build their rows with the writer's own helpers (sample time as SQLite's datetime
+text, JSON cells); today's rows are read back with the diagnosis loader's ``_cells``. Each layout fills ``--fill``
+seconds of ``--nodes`` nodes, then times ``--seconds`` more in commits of ``--commit`` node-seconds, then reads the
+newest ``--delta`` seconds back as a pass's delta.
 
 Prints CPU per node-second of building the rows and inserting them, CPU of the delta read, the file size per
 GPU-second, and the ratios. This measures the storage layout only: the pages, rollups and detectors that read GPU
@@ -19,7 +20,7 @@ rows would all have to read the packed form (docs/scaling.md says what that chan
 from __future__ import annotations
 
 import argparse
-import itertools
+import os
 import shutil
 import sqlite3
 import statistics
@@ -27,7 +28,6 @@ import sys
 import tempfile
 import time
 import zlib
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +39,18 @@ sys.path.insert(0, str(ROOT))
 
 from clusterdx import wire  # noqa: E402
 
+# The writer's and the loader's helpers need Django's settings (no database is opened: the layouts are raw SQLite).
+os.environ.setdefault("CLUSTERDX_DATA_DIR", tempfile.mkdtemp(prefix="cdx-layout-settings-"))
+os.environ["DJANGO_SETTINGS_MODULE"] = "dashboard.settings"
+import django  # noqa: E402
+
+django.setup()
+from dashboard.diagnosis.loader import _cells  # noqa: E402
+from dashboard.ingest.writer import _dt, _json_text, _sqlite_datetime  # noqa: E402
+
 JSON = ("throttle_reasons", "unavailable")
 NUM = tuple(f for f in wire.field_names(wire.GpuSample)
             if f not in ("index", "ts", "uuid", "name", "pci_bus_id", *JSON))
-_encode = msgspec.json.Encoder().encode
 
 
 def batches(nodes: int, seconds: int) -> list[list[dict[str, Any]]]:
@@ -61,11 +69,15 @@ def batches(nodes: int, seconds: int) -> list[list[dict[str, Any]]]:
 
 
 def _stamp(ts: float) -> str:
-    return str(datetime.fromtimestamp(ts, tz=UTC).replace(tzinfo=None))
+    return _sqlite_datetime(_dt(ts))
 
 
-def _json(v: Any) -> str | None:
-    return None if v is None else _encode(v).decode()
+def _stamped(stamps: dict[float, str], ts: float) -> str:
+    """The sample time's column text, once per distinct time (the writer converts each sample time once, too)."""
+    text = stamps.get(ts)
+    if text is None:
+        text = stamps[ts] = _stamp(ts)
+    return text
 
 
 class Rows:
@@ -82,18 +94,14 @@ class Rows:
         gpus = batch["gpus"]
         out = [[1, node, *r] for r in map(self.get.of(gpus), gpus)]
         for row in out:
-            ts = row[3]
-            row[3] = stamps.get(ts) or stamps.setdefault(ts, _stamp(ts))
-            row[-2], row[-1] = _json(row[-2]), _json(row[-1])
+            row[3] = _stamped(stamps, row[3])
+            row[-2], row[-1] = _json_text(row[-2]), _json_text(row[-1])
         return out
 
     def read(self, db: sqlite3.Connection, since: str) -> np.ndarray:
         sel = ", ".join(["id", "node_id", "gpu_index", "(julianday(ts) - 2440587.5) * 86400.0", *NUM, *JSON])
         rows = db.execute(f"SELECT {sel} FROM g WHERE cluster_id = 1 AND ts >= ?", [since]).fetchall()
-        width = 4 + len(NUM) + len(JSON)
-        cells = np.fromiter(itertools.chain.from_iterable(rows), dtype=object, count=len(rows) * width)
-        cells = cells.reshape(len(rows), width)
-        return cells[:, :4 + len(NUM)].astype(float)
+        return _cells(rows, 4 + len(NUM) + len(JSON))[:, :4 + len(NUM)].astype(float)
 
 
 class Packed:
@@ -121,8 +129,8 @@ class Packed:
         mat = np.array(list(map(self.get.of(gpus), gpus)), dtype=object).astype(float)  # None -> NaN
         extra = list(map(self.get_json.of(gpus), gpus))
         blob = zlib.compress(mat.tobytes(), self.level) if self.level else mat.tobytes()
-        return [[1, node, stamps.get(ts) or stamps.setdefault(ts, _stamp(ts)), len(gpus), blob,
-                 _encode(extra).decode()]]
+        return [[1, node, _stamped(stamps, ts), len(gpus), blob,
+                 _json_text(extra)]]
 
     def read(self, db: sqlite3.Connection, since: str) -> np.ndarray:
         rows = db.execute("SELECT id, node_id, (julianday(ts) - 2440587.5) * 86400.0, gpus, values_f64, json FROM g "
