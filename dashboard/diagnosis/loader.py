@@ -475,8 +475,8 @@ def _newest_step(info: RunInfo, part: dict[str, np.ndarray]) -> None:
         info.last_step, info.last_step_ts = int(part["step"][top]), float(ts[top])
 
 
-# (database, cluster) -> (when read, rank id -> (updated_at, meta))
-_rank_meta: dict[tuple[Any, ...], tuple[float, dict[int, tuple[float, dict[str, Any]]]]] = {}
+# (database, cluster) -> (when read, rank id -> (updated_at, the meta's text as read, the meta))
+_rank_meta: dict[tuple[Any, ...], tuple[float, dict[int, tuple[float, Any, dict[str, Any]]]]] = {}
 _envs: dict[Any, Any] = {}  # the ranks' environments, one dict each (detectors.nccl.share_env)
 RANK_META_LATE_S = 60.0  # a rank row committed (or stamped by a server clock) this late is still seen changed
 
@@ -499,21 +499,26 @@ def _ranks(cluster_id: int, run_ids: list[int]) -> list[tuple[int, int, str | No
     with _cursor() as cur:
         cur.execute(sql, [connection.ops.adapt_datetimefield_value(cutoff), *run_ids])
         rows = cur.fetchall()
-    metas: dict[int, tuple[float, dict[str, Any]]] = {}
+    metas: dict[int, tuple[float, Any, dict[str, Any]]] = {}
     missing = []
-    for rid, _, _, _, _, updated, meta in rows:
-        if meta is not None:
-            metas[rid] = (updated, share_env(_json(meta), _envs))
-        elif rid in held_meta and held_meta[rid][0] == updated:
-            metas[rid] = held_meta[rid]
+    for rid, _, _, _, _, updated, text in rows:
+        was = held_meta.get(rid)
+        if text is not None:
+            # Read again because it changed within the late window: decoded only if its text did change. A run's
+            # ranks all change in its first second, and decoding their 16,384 metas at every pass of the next minute
+            # was a third of the pass process's CPU at 2,048 nodes (benchmarks/ingest.py --profile).
+            metas[rid] = (updated, text, was[2] if was is not None and was[1] == text else
+                          share_env(_json(text), _envs))
+        elif was is not None and was[0] == updated:
+            metas[rid] = was
         else:  # changed before the cutoff but not held: committed late, or another database's row
             missing.append(rid)
     if missing:
-        for rid, updated, meta in _rows(m.Rank, ["id", _epoch("updated_at"), _text("meta")],
+        for rid, updated, text in _rows(m.Rank, ["id", _epoch("updated_at"), _text("meta")],
                                          f"id IN ({', '.join(['%s'] * len(missing))})", missing):
-            metas[rid] = (updated, share_env(_json(meta), _envs))
+            metas[rid] = (updated, text, share_env(_json(text), _envs))
     _rank_meta[key] = (now, metas)
-    return [(run_id, rank, host, gpu, metas[rid][1] if rid in metas else {})
+    return [(run_id, rank, host, gpu, metas[rid][2] if rid in metas else {})
             for rid, run_id, rank, host, gpu, _, _ in rows]
 
 

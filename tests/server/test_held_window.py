@@ -168,3 +168,31 @@ def test_the_gpu_error_counters_read_packed_are_the_stored_values(world: World) 
     assert got.keys() == want.keys()
     for k, row in want.items():
         assert np.array_equal(np.array(got[k], dtype=float), np.array(row), equal_nan=True), k
+
+
+def test_rank_metas_read_again_unchanged_are_not_decoded_again(world: World) -> None:
+    """A run's ranks all change in its first second, so for the next minute (loader.RANK_META_LATE_S) every pass
+    reads their metas again: the unchanged ones keep the object the last pass decoded, a changed one is new."""
+    scenario = parse({"cluster": {"nodes": 2, "gpus_per_node": 2, "run": "llm", "seed": 6}, "fault": []})
+    t0 = time.time() - 300
+    sim = SimCluster(scenario, t0)
+    held.forget()
+    for second in range(1, 6):
+        for batch in sim.tick(t0 + second):
+            store_batch(world.cluster, wire.validate_batch(batch))
+
+    def metas() -> dict[int, dict[str, Any]]:
+        run = next(r for r in loader.load_window(world.cluster, t0 + 5, beats=[]).runs if r.name == "llm")
+        return {k: r.meta for k, r in run.ranks.items()}
+
+    first = metas()
+    assert len(first) == 4 and all(first.values())
+    rank = Rank.objects.get(run__cluster=world.cluster, rank=1)
+    rank.meta = {**rank.meta, "dataloader": {"num_workers": 3}}
+    rank.save()
+    second = metas()
+    assert second[1]["dataloader"] == {"num_workers": 3} and second[1] is not first[1]
+    assert all(second[k] is first[k] for k in (0, 2, 3)), "re-read within the late window, decoded once"
+    held.forget()
+    loader._rank_meta.clear()
+    assert metas() == second, "a fresh read gives the same metas"
