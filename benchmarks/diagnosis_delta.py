@@ -8,6 +8,7 @@ with an id at or above the first one stamped in them), so it reads them again as
     python benchmarks/diagnosis.py --sizes --healthy-sizes --big 0 --db-pass 2048 --db-keep   # once: store
     python benchmarks/diagnosis_delta.py 2048                     # then: 5 passes, each with 5 s of new rows
     python benchmarks/diagnosis_delta.py 2048 --check             # and compare the held window with a fresh read
+    python benchmarks/diagnosis_delta.py 2048 --run-started       # passes in a run's first minute (below)
 
 The backend and database are the environment's (``CLUSTERDX_DATA_DIR`` or ``DATABASE_URL``, as for the store).
 Times are this process's CPU (``time.process_time``): PostgreSQL's own work is not in them; the split between
@@ -96,6 +97,9 @@ def main() -> int:
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--profile", help="write a cProfile of the last pass here")
     p.add_argument("--check", action="store_true", help="then compare the held window with a fresh read")
+    p.add_argument("--run-started", action="store_true",
+                   help="stamp every rank of the kept runs as just updated, as a run's first second does: each pass "
+                        "is then within the minute in which the pass reads their metas again (loader._ranks)")
     args = p.parse_args()
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
     import django
@@ -107,9 +111,14 @@ def main() -> int:
 
     from dashboard.diagnosis import held
     from dashboard.diagnosis.tasks import detect, thresholds
-    from dashboard.telemetry.models import Cluster, GpuSample
+    from dashboard.telemetry.models import Cluster, GpuSample, Rank
 
     cluster = Cluster.objects.get(name=f"bench-{args.nodes}-kept")
+    if args.run_started:
+        from datetime import UTC, datetime
+
+        n = Rank.objects.filter(run__cluster=cluster).update(updated_at=datetime.now(tz=UTC))
+        print(f"{n} ranks stamped as just updated", flush=True)
     now = GpuSample.objects.filter(cluster=cluster).aggregate(last=Max("ts"))["last"].timestamp()
     t = thresholds()
     held.forget()
