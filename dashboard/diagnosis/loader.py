@@ -483,8 +483,8 @@ RANK_META_LATE_S = 60.0  # a rank row committed (or stamped by a server clock) t
 
 def _ranks(cluster_id: int, run_ids: list[int]) -> list[tuple[int, int, str | None, int | None, dict[str, Any]]]:
     """(run id, rank, host, GPU, meta) of the runs' ranks. A big run has a rank row per GPU and each meta is ~1 KB
-    of JSON: only the metas changed since the last pass (by ``updated_at``) are read and decoded, the others are
-    kept in this process."""
+    of JSON: only the metas changed since the last pass (by ``updated_at``) are read, and only a changed text is
+    decoded; the others are kept in this process, with the text they were decoded from."""
     if not run_ids:
         return []
     key = (connection.alias, connection.settings_dict["NAME"], cluster_id)
