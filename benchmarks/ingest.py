@@ -337,20 +337,42 @@ async def warm_up(gen: Generator, nodes: int, prefix: str) -> float | None:
     return advised_interval(answer)
 
 
-def print_metrics(base: str) -> None:
+def print_metrics(base: str) -> dict[str, float]:
+    """Prints the server's own counters; returns them by name (labels included), for the goals' summary."""
     try:
         r = httpx.get(base + "/metrics", timeout=10)
     except httpx.HTTPError as exc:
         print(f"/metrics: {exc}")
-        return
+        return {}
     if r.status_code != 200:
         print(f"/metrics: HTTP {r.status_code} (none served)")
-        return
+        return {}
     keep = [line for line in r.text.splitlines() if line.startswith("clusterdx_") and "_bucket{" not in line
             and "_created" not in line]
     print("/metrics (server):")
     for line in keep:
         print(f"  {line}")
+    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in keep)}
+
+
+def goals(accepted: float, ingest_p99_s: float, browser_p99_s: float | None, cpu_ms: float,
+          pass_mean_s: float | None, rss_mib: float) -> list[str]:
+    """The scale goal's checks (issue 11) against this run's numbers, one line each: met or not, never hidden. The
+    diagnosis pass is judged by its mean (the server's /metrics give its sum and count)."""
+    def line(name: str, value: str, goal: str, ok: bool | None) -> str:
+        verdict = "no data" if ok is None else "met" if ok else "NOT met"
+        return f"  {name:<28} {value:>12}   goal {goal:<12} {verdict}"
+
+    return [
+        line("accepted of offered", f"{accepted:.3f}", "1.000", accepted >= 0.9995),
+        line("ingest latency p99", f"{ingest_p99_s:.2f} s", "< 1 s", ingest_p99_s < 1.0),
+        line("sample-to-browser p99", "-" if browser_p99_s is None else f"{browser_p99_s:.2f} s", "< 2 s",
+             None if browser_p99_s is None else browser_p99_s < 2.0),
+        line("server CPU per node-second", f"{cpu_ms:.2f} ms", "<= 0.5 ms", cpu_ms <= 0.5),
+        line("diagnosis pass, mean", "-" if pass_mean_s is None else f"{pass_mean_s:.2f} s", "< 1 s",
+             None if pass_mean_s is None else pass_mean_s < 1.0),
+        line("server peak RSS", f"{rss_mib:.0f} MiB", "printed", True),
+    ]
 
 
 def main() -> int:
@@ -458,7 +480,7 @@ def main() -> int:
         server_watch.stop.set()
         if spy is not None:
             spy.wait(30)
-        print_metrics(base)
+        metrics = print_metrics(base)
         findings = findings_by_kind(env)
         loop.run_until_complete(gen.close())
     finally:
@@ -494,6 +516,13 @@ def main() -> int:
           f"{server_watch.peak_rss / 2**20:.0f} MiB")
     print(f"generator CPU: {1000 * (me1 - me0) / node_s:.2f} ms per node-second ({100 * (me1 - me0) / wall:.0f}% of "
           "one core, the websocket watcher included)")
+    passes = metrics.get("clusterdx_diagnosis_pass_seconds_count", 0.0)
+    print(f"goals (issue 11, at 2,048 nodes for 60 s; this run: {args.nodes} nodes for {seconds} s):")
+    for text in goals(res.accepted_node_s / max(1, offered), pct(lat, 99),
+                      pct(browser_lat, 99) if browser_lat else None, 1000 * (cpu1 - cpu0) / node_s,
+                      metrics["clusterdx_diagnosis_pass_seconds_sum"] / passes if passes else None,
+                      server_watch.peak_rss / 2**20):
+        print(text)
     return 0
 
 

@@ -1,0 +1,33 @@
+"""benchmarks/ingest.py ends with the scale goal's checks: each one met or not by this run's numbers, never hidden."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_ingest", ROOT / "benchmarks" / "ingest.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _verdicts(lines: list[str]) -> list[str]:
+    return [next(v for v in ("NOT met", "no data", "met") if line.endswith(v)) for line in lines]
+
+
+def test_each_goal_is_judged_by_the_run_numbers() -> None:
+    goals = _bench().goals
+    assert _verdicts(goals(1.0, 0.4, 1.2, 0.45, 0.8, 300)) == ["met"] * 6
+    missed = goals(0.484, 30.45, 31.6, 1.71, 2.47, 632)  # this stop's 2,048-node run
+    assert _verdicts(missed) == ["NOT met"] * 5 + ["met"], missed
+    assert "0.484" in missed[0] and "30.45 s" in missed[1] and "1.71 ms" in missed[3] and "632 MiB" in missed[5]
+    assert _verdicts(goals(0.9991, 0.4, 1.2, 0.45, 0.8, 300))[0] == "NOT met", "0.999 of offered is not all of it"
+    assert _verdicts(goals(1.0, 0.4, None, 0.45, None, 300)) == ["met", "met", "no data", "met", "no data", "met"]
