@@ -57,7 +57,7 @@ GPU_JSON = ("throttle_reasons", "unavailable")
 STEP_JSON = ("metrics", "phases", "groups")
 # The numeric columns of each block, a row per record: every wire field that is a number (or a bool), in order.
 KINDS: dict[str, tuple[type[wire.Record], tuple[str, ...]]] = {
-    "gpus": (wire.GpuSample, ("index", "uuid", "name", "pci_bus_id", *GPU_JSON)),
+    "gpus": (wire.GpuSample, ("uuid", "name", "pci_bus_id", *GPU_JSON)),
     "steps": (wire.Step, ("run", *STEP_JSON)),
     "probes": (wire.Probe, ("peer",)),
     "beats": (wire.RankBeat, ("run", "state")),
@@ -109,7 +109,8 @@ def columnar_body(batch: dict[str, Any]) -> dict[str, Any]:
     keep = ("v", "agent_id", "seq", "host", "sent_at", "topology", "hosts", "ports", "events", "runs")
     g, s, p, b = (batch[k] for k in ("gpus", "steps", "probes", "beats"))
     return {**{k: batch[k] for k in keep if k in batch},
-            "gpus": {"uuid": [x.get("uuid") for x in g], "num": block(g, COLS["gpus"]),
+            "gpus": {"uuid": [x.get("uuid") for x in g], "name": [x.get("name") for x in g],
+                     "pci_bus_id": [x.get("pci_bus_id") for x in g], "num": block(g, COLS["gpus"]),
                      "json": [[x.get(f) for f in GPU_JSON] for x in g]},
             "steps": {"run": [x["run"] for x in s], "num": block(s, COLS["steps"]),
                       "json": [[x.get(f) for f in STEP_JSON] for x in s]},
@@ -119,6 +120,8 @@ def columnar_body(batch: dict[str, Any]) -> dict[str, Any]:
 
 class GpuBlock(msgspec.Struct, forbid_unknown_fields=True):
     uuid: list[str | None]
+    name: list[str | None]
+    pci_bus_id: list[str | None]
     num: str
     json: list[list[Any]]
 
@@ -197,7 +200,8 @@ class Columnar:
         db.executemany("INSERT INTO batch (cluster_id, agent_id, seq, host, received_at, sent_at, digest) "
                        "VALUES (1, ?, ?, ?, ?, ?, ?)",
                        [(b.agent_id, b.seq, b.host, now, b.sent_at, d) for b, d in zip(batches, digests, strict=True)])
-        objs = {"gpus": lambda b: b.gpus.json, "steps": lambda b: [b.steps.run, b.steps.json],
+        objs = {"gpus": lambda b: [b.gpus.uuid, b.gpus.name, b.gpus.pci_bus_id, b.gpus.json],
+                "steps": lambda b: [b.steps.run, b.steps.json],
                 "probes": lambda b: b.probes.peer}
         for kind, table in FRAMES.items():
             at = [c.name for c in COLS[kind]].index("ts")

@@ -31,7 +31,7 @@ def test_the_group_check_refuses_what_the_wire_refuses() -> None:
     row = np.array([[math.nan if c.nullable else max(c.lo, 0.0) for c in b.COLS["gpus"]]])
     assert b.check("gpus", row.copy())
     for name, value in (("util_gpu_pct", 100.5), ("temp_c", -1e300), ("ts", math.nan), ("ecc_dbe_volatile", 1.5),
-                        ("remap_pending", 2.0), ("ts", 2e11)):
+                        ("remap_pending", 2.0), ("ts", 2e11), ("index", 1024.0)):
         bad = row.copy()
         bad[0, names.index(name)] = value
         assert not b.check("gpus", bad), (name, value)
