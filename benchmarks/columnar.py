@@ -156,6 +156,12 @@ HI = {k: np.array([c.hi for c in cs]) for k, cs in COLS.items()}
 INTEGER = {k: np.array([c.integer for c in cs]) for k, cs in COLS.items()}
 NULLABLE = {k: np.array([c.nullable for c in cs]) for k, cs in COLS.items()}
 FRAMES = {"gpus": "gpuframe", "steps": "stepframe", "probes": "probeframe"}  # beats go to the live state only
+# What a frame keeps beside its numbers: the strings and JSON values of its records, as one JSON text.
+FRAME_OBJS: dict[str, Any] = {
+    "gpus": lambda b: [b.gpus.uuid, b.gpus.name, b.gpus.pci_bus_id, b.gpus.json],
+    "steps": lambda b: [b.steps.run, b.steps.json],
+    "probes": lambda b: b.probes.peer,
+}
 HOST, PORT = wire.field_names(wire.HostSample), wire.field_names(wire.PortSample)
 
 
@@ -200,15 +206,12 @@ class Columnar:
         db.executemany("INSERT INTO batch (cluster_id, agent_id, seq, host, received_at, sent_at, digest) "
                        "VALUES (1, ?, ?, ?, ?, ?, ?)",
                        [(b.agent_id, b.seq, b.host, now, b.sent_at, d) for b, d in zip(batches, digests, strict=True)])
-        objs = {"gpus": lambda b: [b.gpus.uuid, b.gpus.name, b.gpus.pci_bus_id, b.gpus.json],
-                "steps": lambda b: [b.steps.run, b.steps.json],
-                "probes": lambda b: b.probes.peer}
         for kind, table in FRAMES.items():
             at = [c.name for c in COLS[kind]].index("ts")
             width = len(COLS[kind])
             db.executemany(f"INSERT INTO {table} (cluster_id, node_id, ts, n, num, obj) VALUES (1, ?, ?, ?, ?, ?)",
                            [(i, float(np.frombuffer(r, dtype=np.float64, count=1, offset=8 * at)[0]),
-                             len(r) // 8 // width, zlib.compress(r, 1), _encode(objs[kind](b)))
+                             len(r) // 8 // width, zlib.compress(r, 1), _encode(FRAME_OBJS[kind](b)))
                             for i, r, b in zip(ids, raw[kind], batches, strict=True) if r])
         for table, cols, get in (("host", HOST, lambda b: b.hosts), ("port", PORT, lambda b: b.ports)):
             db.executemany(f"INSERT INTO {table} (cluster_id, node_id, {', '.join(cols)}) "

@@ -29,6 +29,13 @@ def _rows(t: Table) -> list[tuple[Any, ...]]:
     return [tuple(c[i] for c in cols) + tuple(repr(t.obj[c][i]) for c in t.obj) for i in order]
 
 
+def _feed(world: World, sim: SimCluster, t0: float, seconds: range) -> None:
+    """Store the simulator's batches of ``seconds`` after ``t0``, as ingest would."""
+    for second in seconds:
+        for batch in sim.tick(t0 + second):
+            store_batch(world.cluster, wire.validate_batch(batch))
+
+
 def _same(a: Window, b: Window) -> None:
     assert a.nodes == b.nodes
     for name in ("gpus", "ports", "probes", "steps"):
@@ -77,9 +84,7 @@ def test_a_pass_at_an_earlier_time_reads_afresh(world: World) -> None:
     scenario = parse({"cluster": {"nodes": 3, "gpus_per_node": 2, "run": "llm", "seed": 4}, "fault": []})
     t0 = time.time() - 300
     sim = SimCluster(scenario, t0)
-    for second in range(1, 41):
-        for batch in sim.tick(t0 + second):
-            store_batch(world.cluster, wire.validate_batch(batch))
+    _feed(world, sim, t0, range(1, 41))
     held.forget()
     late = loader.load_window(world.cluster, t0 + 40, beats=[])
     early = loader.load_window(world.cluster, t0 + 15, beats=[])  # rows the later window dropped belong to it
@@ -100,12 +105,7 @@ def test_a_row_that_commits_after_higher_ids_is_read_by_the_next_pass(world: Wor
     t0 = time.time() - 300
     sim = SimCluster(scenario, t0)
 
-    def feed(seconds: range) -> None:
-        for second in seconds:
-            for batch in sim.tick(t0 + second):
-                store_batch(world.cluster, wire.validate_batch(batch))
-
-    feed(range(1, 6))
+    _feed(world, sim, t0, range(1, 6))
     held.forget()
     loader.load_window(world.cluster, t0 + 5, beats=[])
     node = world.cluster.nodes.get(hostname="node-000")
@@ -116,7 +116,7 @@ def test_a_row_that_commits_after_higher_ids_is_read_by_the_next_pass(world: Wor
             cur.execute("INSERT INTO telemetry_gpusample (cluster_id, node_id, gpu_index, ts, util_gpu_pct) "
                         "VALUES (%s, %s, 7, %s, 12.5) RETURNING id", [world.cluster.id, node.id, sim_dt(t0 + 5.5)])
             (late_id,) = cur.fetchone()
-        feed(range(6, 9))  # ... others commit higher ids
+        _feed(world, sim, t0, range(6, 9))  # ... others commit higher ids
         seen = loader.load_window(world.cluster, t0 + 8, beats=[])
         assert not (seen.gpus["gpu"] == 7).any()
         late.commit()  # ... and it commits after the pass saw them
@@ -145,11 +145,9 @@ def test_the_gpu_error_counters_read_packed_are_the_stored_values(world: World) 
     t0 = time.time() - 300
     sim = SimCluster(scenario, t0)
     held.forget()
-    for second in range(1, 13):
-        for batch in sim.tick(t0 + second):
-            store_batch(world.cluster, wire.validate_batch(batch))
-        if second == 6:
-            loader.load_window(world.cluster, t0 + second, beats=[])  # the rows so far held, the rest a delta
+    _feed(world, sim, t0, range(1, 7))
+    loader.load_window(world.cluster, t0 + 6, beats=[])  # the rows so far held, the rest a delta
+    _feed(world, sim, t0, range(7, 13))
     samples = GpuSample.objects.filter(cluster=world.cluster)
     samples.filter(id__in=list(samples.values_list("id", flat=True)[::3])).update(
         remap_uncorrectable=None, retired_pages_pending=None, nvlink_crc_errors_total=None)
@@ -177,9 +175,7 @@ def test_rank_metas_read_again_unchanged_are_not_decoded_again(world: World) -> 
     t0 = time.time() - 300
     sim = SimCluster(scenario, t0)
     held.forget()
-    for second in range(1, 6):
-        for batch in sim.tick(t0 + second):
-            store_batch(world.cluster, wire.validate_batch(batch))
+    _feed(world, sim, t0, range(1, 6))
 
     def metas() -> dict[int, dict[str, Any]]:
         run = next(r for r in loader.load_window(world.cluster, t0 + 5, beats=[]).runs if r.name == "llm")
