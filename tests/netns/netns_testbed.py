@@ -133,6 +133,17 @@ def _tbf(rate: str) -> list[str]:
     return ["root", "tbf", "rate", rate, "burst", str(burst), "latency", "50ms"]
 
 
+def _shape(prefix: tuple[str, ...], dev: str, rate: str) -> None:
+    """A new tbf at ``rate`` on ``dev`` (run under ``prefix``: a namespace's ``ip netns exec``), replacing any: the
+    old qdisc is deleted and a new one added, not changed in place. CI runs twice found a node cut off entirely
+    (every probe to it lost, its agent silent, its rank stopped) for the 30 s after ``tc qdisc replace`` turned its
+    1 Gb/s tbf into a 100 Mb/s one, and a replace of a tbf by a tbf is the kernel's tbf_change on the live qdisc and
+    its queue; a new qdisc starts from a full bucket and an empty queue (the packets queued in the old one are
+    dropped, as a cable swap would, and TCP sends them again)."""
+    run(*prefix, "tc", "qdisc", "del", "dev", dev, "root", check=False)  # none yet on a new link
+    run(*prefix, "tc", "qdisc", "add", "dev", dev, *_tbf(rate))
+
+
 def _free_subnet(seed: int) -> int:
     """An X such that no interface on the host uses 10.77.X.0/24 or 10.78.X.0/24 (the data and management networks;
     two testbeds at once must not share routes)."""
@@ -351,16 +362,10 @@ class Testbed:
 
     def limit_rate(self, name: str, rate: str = "100mbit") -> None:
         """tbf both ways: the bridge end of the veth shapes what enters the node, the namespace end what leaves.
-        Replaces the link's rate if it has one: the old qdisc is deleted and a new one added, not changed in place.
-        CI runs twice found a node cut off entirely (every probe to it lost, its agent silent, its rank stopped) for
-        the 30 s after ``tc qdisc replace`` turned its 1 Gb/s tbf into a 100 Mb/s one, and a replace of a tbf by a
-        tbf is the kernel's tbf_change on the live qdisc and its queue; a new qdisc starts from a full bucket and an
-        empty queue (the packets queued in the old one are dropped, as a cable swap would, and TCP sends them again).
-        :meth:`links` prints what each qdisc did."""
+        Replaces the link's rate if it has one (:func:`_shape`). :meth:`links` prints what each qdisc did."""
         node = self.node(name)
         for prefix, dev in (((), node.veth), (("ip", "netns", "exec", node.ns), "eth0")):
-            run(*prefix, "tc", "qdisc", "del", "dev", dev, "root", check=False)  # none yet on a new link
-            run(*prefix, "tc", "qdisc", "add", "dev", dev, *_tbf(rate))
+            _shape(prefix, dev, rate)
 
     def links(self) -> list[str]:
         """Each node's shaped link, both ends: the qdisc's rate and what it sent, dropped, held back and holds now
@@ -378,7 +383,7 @@ class Testbed:
         if not self.uplink:
             raise RuntimeError("a single-bridge testbed has no uplink (Testbed(..., racks=2))")
         for end in self.uplink:
-            run("tc", "qdisc", "replace", "dev", end, *_tbf(rate))
+            _shape((), end, rate)
 
     def slow_loader(self, rank: int, delay_s: float) -> None:
         """From now on, rank ``rank``'s DataLoader takes ``delay_s`` per batch (a slow filesystem behind it)."""
