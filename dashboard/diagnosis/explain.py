@@ -17,6 +17,7 @@ from dashboard.diagnosis.detectors.base import SEVERITY_RANK, rnd, robust_z
 from dashboard.diagnosis.detectors.network import PORT_ERRORS
 from dashboard.diagnosis.live import finding_row
 from dashboard.diagnosis.models import Finding
+from dashboard.storage import gpu_samples
 from dashboard.telemetry import models as m
 
 PAD_S = 2.0
@@ -55,12 +56,10 @@ def explain_step(run: m.Run, step: int) -> dict[str, Any] | None:
 
 
 def _gpus(cluster_id: int, hosts: set[str], t0: float, t1: float) -> dict[tuple[str, int], dict[str, Any]]:
-    qs = m.GpuSample.objects.filter(cluster_id=cluster_id, ts__gte=_dt(t0 - PAD_S), ts__lte=_dt(t1 + PAD_S),
-                                    node__hostname__in=hosts)
     acc: dict[tuple[str, int], dict[str, Any]] = {}
-    for host, idx, util, clock, cmax, temp, reasons in qs.values_list(
-            "node__hostname", "gpu_index", "util_gpu_pct", "sm_clock_mhz", "sm_clock_max_mhz", "temp_c",
-            "throttle_reasons"):
+    for host, idx, util, clock, cmax, temp, reasons in gpu_samples.around(
+            cluster_id, hosts, t0 - PAD_S, t1 + PAD_S,
+            ("util_gpu_pct", "sm_clock_mhz", "sm_clock_max_mhz", "temp_c", "throttle_reasons")):
         a = acc.setdefault((host, idx), {"util": [], "clock": [], "max": [], "temp": [], "reasons": set()})
         for key, v in (("util", util), ("clock", clock), ("max", cmax), ("temp", temp)):
             if v is not None:

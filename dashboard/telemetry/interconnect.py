@@ -13,7 +13,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from dashboard.telemetry.models import Cluster, GpuSample, HostSample, PortSample
+from dashboard.storage import gpu_samples
+from dashboard.telemetry.models import Cluster, HostSample, PortSample
 
 KINDS = ("ib", "roce", "eth")
 LABELS = {"ib": "InfiniBand", "roce": "RoCE", "eth": "Ethernet", "auto": "detected"}
@@ -43,7 +44,7 @@ def detect(cluster: Cluster) -> Detected:
     layers = Counter(PortSample.objects.filter(cluster=cluster).order_by("-ts")
                      .values_list("link_layer", flat=True)[:SAMPLE_PORTS])
     if not layers:
-        agents = GpuSample.objects.filter(cluster=cluster).exists() or HostSample.objects.filter(cluster=cluster).exists()
+        agents = gpu_samples.any_heard(cluster.id) or HostSample.objects.filter(cluster=cluster).exists()
         return Detected("eth" if agents else None, {})
     ib, roce = layers.get("InfiniBand", 0), layers.get("Ethernet", 0)
     # A port whose link layer was unreadable says "RDMA of some kind": IB, the historical default, unless RoCE wins.

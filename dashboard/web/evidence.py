@@ -34,10 +34,11 @@ from dashboard.diagnosis.detectors.base import Thresholds
 from dashboard.diagnosis.detectors.network import PORT_ERRORS
 from dashboard.diagnosis.detectors.window import SPANS
 from dashboard.diagnosis.models import Finding
-from dashboard.telemetry.models import AgentBatch, Event, Gpu, GpuSample, HostSample, PortSample, Probe, Rank, StepSample, of_rank
+from dashboard.storage import gpu_samples
+from dashboard.telemetry.models import AgentBatch, Event, Gpu, HostSample, PortSample, Probe, Rank, StepSample, of_rank
 from dashboard.web import evidence_math as em
 from dashboard.web.evidence_headline import headline
-from dashboard.web.series import TimeRange, downsample, downsample_tiered, tiered
+from dashboard.web.series import TimeRange, downsample, tiered
 
 __all__ = ["KINDS", "chart", "context_range", "headline", "thresholds"]
 
@@ -358,10 +359,6 @@ def _stall(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, An
 
 # -- GPUs: throttling, failing GPU -------------------------------------------------------------------------------
 
-def _gpu_qs(f: Finding) -> Any:
-    return GpuSample.objects.filter(node_id=f.node_id, gpu_index=f.gpu_index)
-
-
 def _gpu_range(t0: float, t1: float, points: int) -> TimeRange:
     """Raw rows while the range is inside the hot window (the values the detector judged, at full resolution); beyond
     it, where the raw rows are gone (a finding from last week), the rollup tier that holds the range."""
@@ -373,24 +370,15 @@ def _throttling(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[st
     if f.node_id is None or f.gpu_index is None:
         return []
     tr = _gpu_range(t0, t1, POINTS)
-    if tr.tier:
-        # Rollups keep each column's statistics, not the ratio's: the ratio of the bucket's mean clocks.
-        got = downsample_tiered(GpuSample, {"node_id": f.node_id, "gpu_index": f.gpu_index}, tr,
-                                ["sm_clock_mhz", "sm_clock_max_mhz", "temp_c"]).get("")
-        if got:
-            got["clock_ratio"] = {"mean": [c / m if c is not None and m else None for c, m in zip(
-                got["sm_clock_mhz"]["mean"], got["sm_clock_max_mhz"]["mean"], strict=True)]}
-    else:
-        qs = _gpu_qs(f).annotate(clock_ratio=F("sm_clock_mhz") / NullIf(F("sm_clock_max_mhz"), 0.0))
-        got = downsample(qs, tr, ["clock_ratio", "temp_c"]).get("")
+    got = gpu_samples.ratio_buckets(f.node_id, f.gpu_index, tr, "sm_clock_mhz", "sm_clock_max_mhz", ["temp_c"])
     if not got:
         s = ((f.evidence or {}).get("series") or {})
         if not s.get("ts"):
             return []
-        got = {"t": s["ts"], "clock_ratio": {"mean": s["clock_ratio"]}, "temp_c": {"mean": []}}
+        got = {"t": s["ts"], "ratio": {"mean": s["clock_ratio"]}, "temp_c": {"mean": []}}
     xs = got["t"]
     out = [panel("clock", f"SM clock of {f.subject} as a share of its max", "time", "SM clock / max",
-                 [line("SM clock / max", "subject", xs, em.clean(got["clock_ratio"]["mean"]))],
+                 [line("SM clock / max", "subject", xs, em.clean(got["ratio"]["mean"]))],
                  const(f"clock_ratio {t.clock_ratio:g}", t.clock_ratio, xs), direction="below",
                  window=evidence_window(f))]
     if any(v is not None for v in got["temp_c"]["mean"]):
@@ -417,7 +405,7 @@ def _failing_gpu(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[s
     # the one the detector summed; the range is capped to keep it to a few thousand points. Beyond the hot window the
     # buckets are the rollups' (10 s, max of each window): the increase over a span is the same up to a window.
     tr = _gpu_range(max(t0, t1 - 3600), t1, 5000)
-    got = downsample_tiered(GpuSample, {"node_id": f.node_id, "gpu_index": f.gpu_index}, tr, cols).get("")
+    got = gpu_samples.buckets(f.node_id, tr, cols, f.gpu_index).get(str(f.gpu_index))
     events = list(Event.objects.filter(node_id=f.node_id, kind="xid", ts__gte=_dt(t0), ts__lte=_dt(t1))
                   .filter(Q(gpu_index=f.gpu_index) | Q(gpu_index__isnull=True)).values_list("ts", "code"))
     markers = [{"x": round(ts.timestamp(), 3), "text": f"Xid {code}"} for ts, code in events]
@@ -571,10 +559,12 @@ def _node_down(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str
     # The node's first GPU from its inventory (every GPU that ever sent a sample is in it): the samples are indexed by
     # (node, ts), so asking them for their least gpu_index would read all of the node's rows.
     first = Gpu.objects.filter(node_id=f.node_id).order_by("index").values_list("index", flat=True)[:1]
-    heard_qs = (GpuSample.objects.filter(node_id=f.node_id, gpu_index__in=list(first)) if first
-                else HostSample.objects.filter(node_id=f.node_id))
-    heard = [ts.timestamp() for ts in heard_qs.filter(ts__gte=_dt(t0 - 120), ts__lte=_dt(t1))
-             .order_by("ts").values_list("ts", flat=True)[:20000]]
+    if first:
+        heard = gpu_samples.heard(f.node_id, first[0], t0 - 120, t1)
+    else:
+        heard = [ts.timestamp() for ts in HostSample.objects.filter(node_id=f.node_id, ts__gte=_dt(t0 - 120),
+                                                                   ts__lte=_dt(t1))
+                 .order_by("ts").values_list("ts", flat=True)[:20000]]
     source = ""
     if not heard:  # past the raw window (CLUSTERDX_RAW_RETENTION_HOURS): the rollups still say when it was heard
         heard, source = _heard_from_rollups(f, first[0] if first else None, t0 - 120, t1)

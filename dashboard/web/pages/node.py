@@ -21,7 +21,8 @@ from collectors.xid import describe_xid
 from dashboard.diagnosis import silences
 from dashboard.diagnosis.live import finding_row
 from dashboard.diagnosis.models import Finding
-from dashboard.telemetry.models import Event, GpuSample, Node, PortSample, Rank
+from dashboard.storage import gpu_samples
+from dashboard.telemetry.models import Event, Node, PortSample, Rank
 from dashboard.web.access import api, int_param, node_or_404
 from dashboard.web.links import cluster_url, gpu_url, node_url, rank_url, run_url
 from dashboard.web.pages.attention import forms_context
@@ -78,16 +79,8 @@ def _state(node: Node, open_findings: list[dict[str, Any]]) -> str:
 
 
 def _latest_gpus(node: Node) -> dict[int, dict[str, Any]]:
-    """The newest sample of each GPU: one lookup per GPU, backwards along the (node, ts) index from the node's newest
-    row (a GPU that still reports is among its node's newest few rows)."""
-    out: dict[int, dict[str, Any]] = {}
-    for gpu in node.gpus.all():
-        row = (GpuSample.objects.filter(node=node, gpu_index=gpu.index).order_by("-ts")
-               .values(*LATEST_FIELDS).first())
-        if row is not None:
-            row["ts"] = _epoch(row["ts"])
-            out[gpu.index] = row
-    return out
+    """The newest sample of each GPU of the node's inventory."""
+    return gpu_samples.latest(node.id, [gpu.index for gpu in node.gpus.all()], LATEST_FIELDS)
 
 
 def _ranks(node: Node) -> list[dict[str, Any]]:

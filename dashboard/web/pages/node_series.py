@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from django.db.models import Case, CharField, F, FloatField, QuerySet, Value, When
+from django.db.models import Case, F, FloatField, Value, When
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
 
-from dashboard.telemetry.models import GpuSample, HostSample, Node, PortSample, Probe
+from dashboard.storage import gpu_samples
+from dashboard.telemetry.models import HostSample, Node, PortSample, Probe
 from dashboard.web.links import link_url, node_url
 from dashboard.web.series import TimeRange, downsample, downsample_tiered, in_range, tiered
 
@@ -68,11 +69,10 @@ def _compact(series: dict[str, Any], keep: dict[str, tuple[str, ...]]) -> dict[s
 
 
 def gpu_series(node: Node, tr: TimeRange, gpu: int | None) -> dict[str, Any]:
-    where: dict[str, Any] = {"node": node} if gpu is None else {"node": node, "gpu_index": gpu}
     fields = GPU_LINES + GPU_LIMITS + GPU_COUNTERS + GPU_FLOORS
     keep = {**{f: ("min", "mean", "max") for f in GPU_LINES}, **{f: ("max",) for f in GPU_LIMITS + GPU_COUNTERS},
             **{f: ("min",) for f in GPU_FLOORS}}
-    raw = downsample_tiered(GpuSample, where, tr, fields, by=["gpu_index"], keep=keep)
+    raw = gpu_samples.buckets(node.id, tr, fields, gpu, keep=keep)
     return {key: _compact(s, keep) for key, s in raw.items()}
 
 
@@ -90,25 +90,11 @@ def _spans(t: list[float], flags: list[float | None], width: float) -> list[list
 
 
 def throttle_bands(node: Node, tr: TimeRange, gpu: int | None) -> dict[str, dict[str, list[list[float]]]]:
-    """Per GPU, per throttle reason: the time spans it was active. One GROUP BY with a 0/1 column per reason seen in
-    the range (the reasons are a JSON list; its text form is searched, which SQLite and PostgreSQL both do)."""
-    qs: QuerySet[Any] = in_range(GpuSample.objects.filter(node=node), tr).exclude(throttle_reasons=None)
-    if gpu is not None:
-        qs = qs.filter(gpu_index=gpu)
-    qs = qs.annotate(reasons_text=Cast("throttle_reasons", CharField()))
-    reasons: set[str] = set()
-    for value in qs.values_list("throttle_reasons", flat=True).distinct()[:64]:
-        if isinstance(value, list):
-            reasons.update(str(r) for r in value)
-    if not reasons:
-        return {}
-    names = sorted(reasons)
-    flags = {f"r{i}": Case(When(reasons_text__contains=f'"{r}"', then=Value(1.0)), default=Value(0.0),
-                           output_field=FloatField()) for i, r in enumerate(names)}
-    raw = downsample(qs.annotate(**flags), tr, list(flags), by=["gpu_index"])
+    """Per GPU, per throttle reason: the time spans it was active."""
+    names, flags = gpu_samples.flag_buckets(node.id, tr, gpu)
     out: dict[str, dict[str, list[list[float]]]] = {}
-    for key, s in raw.items():
-        per = {name: _spans(s["t"], s[f"r{i}"]["max"], tr.bucket_s) for i, name in enumerate(names)}
+    for key, s in flags.items():
+        per = {name: _spans(s["t"], s[name], tr.bucket_s) for name in names}
         if any(per.values()):
             out[key] = {name: spans for name, spans in per.items() if spans}
     return out
