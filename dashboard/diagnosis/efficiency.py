@@ -14,11 +14,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Avg, Count, Max, Min, Sum
 
 from dashboard.diagnosis.detectors.goodput import Goodput, fold
 from dashboard.diagnosis.models import RunEfficiency, StepEfficiency
-from dashboard.telemetry.models import Event, Rank, Run, StepSample
+from dashboard.storage import step_samples
+from dashboard.telemetry.models import Event, Rank, Run
 
 log = logging.getLogger(__name__)
 SETTLE_S = 2.0
@@ -51,13 +51,12 @@ def record_run(run: Run, now: float) -> int:
     g = _state(eff)
     since = g.last_end
     if since is None:
-        first = StepSample.objects.filter(run=run).aggregate(t=Min("ts"))["t"]
+        first = step_samples.first_ts(run.id)
         if first is None:
             return 0
-        since = first.timestamp() - 1e-3
+        since = first - 1e-3
     until = min(now - SETTLE_S, since + CHUNK_S)
-    rows = list(StepSample.objects.filter(run=run, ts__gt=_dt(since), ts__lte=_dt(until)).values("step")
-                .annotate(end=Max("ts"), st=Avg("step_time_s"), tokens=Sum("tokens"), n=Count("id")).order_by("end"))
+    rows = step_samples.per_step(run.id, ("end", "step_time_s", "tokens", "n"), since=since, until=until, by="end")
     if not rows:
         return 0
     lo = min(r["step"] for r in rows)
@@ -66,15 +65,15 @@ def record_run(run: Run, now: float) -> int:
     ckpts = set(Event.objects.filter(run=run, kind="checkpoint", step__gte=lo - 1).values_list("step", flat=True))
     if (run.meta or {}).get("last_checkpoint_step") is not None:
         ckpts.add(int(run.meta["last_checkpoint_step"]))
-    folded = set(fold(g, [(r["step"], r["end"].timestamp(), r["st"]) for r in rows], ckpts))
+    folded = set(fold(g, [(r["step"], r["end"], r["step_time_s"]) for r in rows], ckpts))
     meta = run.meta or {}
     gpus = run.world_size or Rank.objects.filter(run=run).count() or None
     new = [r for r in rows if r["step"] in folded]
     # step_time_s keeps the productive part (capped at the stall line), as a replay of the step loses it
-    steps = [StepEfficiency(run=run, step=r["step"], ts=r["end"], step_time_s=g.done[r["step"]][1], tokens=r["tokens"],
-                            mfu=_mfu(r["tokens"], r["st"], meta, gpus)) for r in new]
+    steps = [StepEfficiency(run=run, step=r["step"], ts=_dt(r["end"]), step_time_s=g.done[r["step"]][1], tokens=r["tokens"],
+                            mfu=_mfu(r["tokens"], r["step_time_s"], meta, gpus)) for r in new]
     eff.tokens += sum(r["tokens"] or 0 for r in new)
-    eff.step_seconds += sum(r["st"] for r in new)
+    eff.step_seconds += sum(r["step_time_s"] for r in new)
     eff.tokens_per_s = eff.tokens / eff.step_seconds if eff.step_seconds > 0 else None
     eff.mfu = _mfu(eff.tokens, eff.step_seconds, meta, gpus)
     eff.goodput = g.goodput

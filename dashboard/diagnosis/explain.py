@@ -17,7 +17,7 @@ from dashboard.diagnosis.detectors.base import SEVERITY_RANK, rnd, robust_z
 from dashboard.diagnosis.detectors.network import PORT_ERRORS
 from dashboard.diagnosis.live import finding_row
 from dashboard.diagnosis.models import Finding
-from dashboard.storage import gpu_samples
+from dashboard.storage import gpu_samples, step_samples
 from dashboard.telemetry import models as m
 
 PAD_S = 2.0
@@ -30,11 +30,9 @@ def _dt(ts: float) -> datetime:
 
 
 def explain_step(run: m.Run, step: int) -> dict[str, Any] | None:
-    rows = list(m.StepSample.objects.filter(run=run, step=step).order_by("rank").values(*STEP_COLS))
+    rows = step_samples.at_step(run.id, step, STEP_COLS)
     if not rows:
         return None
-    for r in rows:
-        r["ts"] = r["ts"].timestamp()
     t0 = min(r["ts"] - r["step_time_s"] for r in rows)
     t1 = max(r["ts"] for r in rows)
     ranks = {r: (h, g) for r, h, g in m.Rank.objects.filter(run=run).values_list("rank", "node__hostname", "gpu_index")}
@@ -143,7 +141,7 @@ def _findings(run: m.Run, hosts: set[str], t0: float, t1: float) -> list[dict[st
 
 
 def _baseline(run: m.Run, step: int) -> dict[str, float]:
-    qs = m.StepSample.objects.filter(run=run, step__gte=step - 20, step__lt=step).values_list("step_time_s", "comm_s")
+    qs = step_samples.before(run.id, step, 20, ("step_time_s", "comm_s"))
     vals = np.array([(a, b if b is not None else np.nan) for a, b in qs], dtype=float)
     if not len(vals):
         return {}

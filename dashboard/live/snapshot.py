@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Avg, Count, Max, Sum
 
 from dashboard.live.events import STEP_AGG_ROW, STEP_ROW
 from dashboard.live.state import get_state
-from dashboard.telemetry.models import Rank, Run, StepSample
+from dashboard.storage import step_samples
+from dashboard.telemetry.models import Rank, Run
 
 # Per-rank rows go into a snapshot only for runs this small (the run page draws per-rank bars up to here) and only
 # for the last PER_RANK_STEPS steps; beyond, the snapshot is per-step aggregates, so its size does not grow with ranks.
@@ -37,12 +37,11 @@ def step_aggregates(run: Run, ranks: int, steps: int | None = None) -> list[list
     steps = max(10, min(steps, AGG_ROW_BUDGET // max(ranks, 1)))
     if run.last_step is None:
         return []
-    qs = (StepSample.objects.filter(run=run, step__gt=run.last_step - steps).values("step")
-          .annotate(ts=Max("ts"), n=Count("id"), st=Avg("step_time_s"), st_max=Max("step_time_s"),
-                    dw=Avg("data_wait_s"), cp=Avg("compute_s"), cm=Avg("comm_s"), tok=Sum("tokens"))
-          .order_by("step"))
-    return [[r["step"], round(r["ts"].timestamp(), 3), r["n"], *(_r(r[k]) for k in ("st", "st_max", "dw", "cp", "cm")),
-             r["tok"]] for r in qs]
+    rows = step_samples.per_step(run.id, ("end", "n", "step_time_s", "step_time_max_s", "data_wait_s", "compute_s",
+                                          "comm_s", "tokens"), after_step=run.last_step - steps)
+    return [[r["step"], round(r["end"], 3), r["n"], *(_r(r[k]) for k in ("step_time_s", "step_time_max_s",
+                                                                         "data_wait_s", "compute_s", "comm_s")),
+             r["tokens"]] for r in rows]
 
 
 def _r(v: float | None) -> float | None:
@@ -55,11 +54,7 @@ def recent_steps(run: Run, steps: int = PER_RANK_STEPS) -> list[list[Any]]:
     them)."""
     if run.last_step is None or _n_ranks(run) > PER_RANK_MAX:
         return []
-    qs = StepSample.objects.filter(run=run, step__gt=run.last_step - steps).order_by("step", "rank")
-    rows = []
-    for s in qs.values_list("step", "rank", "ts", *STEP_ROW[3:]):
-        rows.append([s[0], s[1], s[2].timestamp(), *s[3:]])
-    return rows
+    return step_samples.rank_rows(run.id, run.last_step - steps, tuple(STEP_ROW[3:]))
 
 
 def recent_events(cluster_id: int, run_id: int | None = None, host: str | None = None,

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 from django.conf import settings
-from django.db.models import F, FloatField, Max, Q
+from django.db.models import F, FloatField, Q
 from django.db.models.functions import Cast, NullIf
 
 from dashboard.diagnosis.detectors import KINDS
@@ -34,8 +34,8 @@ from dashboard.diagnosis.detectors.base import Thresholds
 from dashboard.diagnosis.detectors.network import PORT_ERRORS
 from dashboard.diagnosis.detectors.window import SPANS
 from dashboard.diagnosis.models import Finding
-from dashboard.storage import gpu_samples
-from dashboard.telemetry.models import AgentBatch, Event, Gpu, HostSample, PortSample, Probe, Rank, StepSample, of_rank
+from dashboard.storage import gpu_samples, step_samples
+from dashboard.telemetry.models import AgentBatch, Event, Gpu, HostSample, PortSample, Probe, Rank
 from dashboard.web import evidence_math as em
 from dashboard.web.evidence_headline import headline
 from dashboard.web.series import TimeRange, downsample, tiered
@@ -108,9 +108,7 @@ def line(name: str, role: str, xs: list[Any], ys: list[Any]) -> dict[str, Any]:
 def _steps_in_range(run_id: int, t0: float, t1: float, ranks: int) -> list[tuple[int, float]]:
     """(step, time its last rank finished) of the run's steps in the range, newest MAX_STEPS (fewer for wide runs)."""
     cap = max(20, min(MAX_STEPS, MAX_CELLS // max(1, ranks)))
-    rows = (StepSample.objects.filter(run_id=run_id, ts__gte=_dt(t0), ts__lte=_dt(t1)).values("step")
-            .annotate(last=Max("ts")).order_by("-step")[:cap])
-    return sorted((int(r["step"]), r["last"].timestamp()) for r in rows)
+    return step_samples.step_ends(run_id, t0, t1, cap)
 
 
 def step_matrix(f: Finding, t0: float, t1: float, cols: tuple[str, ...], rank: int | None = None
@@ -124,10 +122,7 @@ def step_matrix(f: Finding, t0: float, t1: float, cols: tuple[str, ...], rank: i
     if not steps_ts:
         return None
     steps = [s for s, _ in steps_ts]
-    qs = StepSample.objects.filter(run_id=f.run_id, step__gte=steps[0], step__lte=steps[-1])
-    if rank is not None:
-        qs = of_rank(qs, rank)
-    rows = list(qs.values_list("rank", "step", "step_time_s", *cols))
+    rows = step_samples.cells(f.run_id, steps[0], steps[-1], ("step_time_s", *cols), rank)
     if not rows:
         return None
     ranks = np.unique([r[0] for r in rows])
@@ -349,10 +344,8 @@ def _stall(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, An
     if f.rank is not None:
         # The steps' bounds as well as the time's: by time alone SQLite reads every rank's rows in the range.
         shown = [s for s, _ in steps_ts]
-        mine = (of_rank(StepSample.objects.filter(run_id=f.run_id, ts__gte=_dt(t0), ts__lte=_dt(t1),
-                                                  step__gte=min(shown), step__lte=max(shown)), f.rank)
-                .order_by("step").values_list("step", "ts"))
-        progress.insert(0, line(f"rank {f.rank}", "subject", [ts.timestamp() for _, ts in mine], [s for s, _ in mine]))
+        mine = step_samples.rank_progress(f.run_id, f.rank, t0, t1, min(shown), max(shown))
+        progress.insert(0, line(f"rank {f.rank}", "subject", [ts for _, ts in mine], [s for s, _ in mine]))
     out.append(panel("progress", "Step progress", "time", "step", progress, [], window=evidence_window(f)))
     return out
 

@@ -1,14 +1,12 @@
 """dashboard.storage.gpu_samples: the one module the pages, the evidence and "why was step N slow" read GPU samples
 through. Its answers against a direct computation over the rows written (both databases: the suite runs this file on
-SQLite and on PostgreSQL), and the rule that keeps it the one module (an import scan of dashboard/)."""
+SQLite and on PostgreSQL). tests/server/test_sample_readers.py keeps it the one module."""
 
 from __future__ import annotations
 
-import ast
 import math
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,56 +18,11 @@ from dashboard.telemetry.models import GpuSample, Node
 from dashboard.web.series import TimeRange
 from tests.server.conftest import World
 
-ROOT = Path(__file__).resolve().parents[2]
-# Who else may name the GpuSample model: its definition, the writer, the rollup tiers' map and the diagnosis pass's
-# held window (docs/scaling.md, "Next": those move with the storage itself).
-ALLOWED = {"dashboard/telemetry/models.py", "dashboard/storage/gpu_samples.py", "dashboard/storage/models.py",
-           "dashboard/ingest/writer.py", "dashboard/diagnosis/loader.py"}
+T0 = 1_700_000_040.0  # a whole minute
 
 
 def _dt(t: float) -> datetime:
     return datetime.fromtimestamp(t, UTC)
-
-
-def _names_the_model(source: str) -> list[int]:
-    """Lines where ``source`` imports GpuSample from dashboard.telemetry.models, or reads it off that module imported
-    under any name (``from dashboard.telemetry import models as m`` ... ``m.GpuSample``). The wire's own
-    ``wire.GpuSample`` (a msgspec struct) is another thing."""
-    tree = ast.parse(source)
-    aliases: set[str] = set()
-    lines: list[int] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "dashboard.telemetry.models":
-            lines += [node.lineno for a in node.names if a.name == "GpuSample"]
-        elif isinstance(node, ast.ImportFrom) and node.module == "dashboard.telemetry":
-            aliases.update(a.asname or a.name for a in node.names if a.name == "models")
-        elif isinstance(node, ast.Import):
-            aliases.update(a.asname for a in node.names if a.name == "dashboard.telemetry.models" and a.asname)
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and node.attr == "GpuSample" and isinstance(node.value, ast.Name)
-                and node.value.id in aliases):
-            lines.append(node.lineno)
-    return lines
-
-
-def test_the_scan_finds_each_way_of_naming_the_model() -> None:
-    assert _names_the_model("from dashboard.telemetry.models import Node, GpuSample\n") == [1]
-    assert _names_the_model("from dashboard.telemetry import models as m\nq = m.GpuSample.objects\n") == [2]
-    assert _names_the_model("import dashboard.telemetry.models as tm\ntm.GpuSample\n") == [2]
-    assert _names_the_model("from clusterdx import wire\nwire.GpuSample\n") == []
-
-
-def test_only_the_storage_module_reads_gpu_samples() -> None:
-    offenders = []
-    for path in sorted((ROOT / "dashboard").rglob("*.py")):
-        rel = path.relative_to(ROOT).as_posix()
-        if "/migrations/" in rel or rel in ALLOWED:
-            continue
-        offenders += [f"{rel}:{line}" for line in _names_the_model(path.read_text())]
-    assert not offenders, f"read GPU samples through dashboard.storage.gpu_samples: {offenders}"
-
-
-T0 = 1_700_000_040.0  # a whole minute
 
 
 @pytest.fixture

@@ -20,7 +20,8 @@ from django.shortcuts import redirect, render
 from django.urls import path, reverse
 
 from dashboard.diagnosis.detectors.base import SEVERITY_RANK
-from dashboard.telemetry.models import Cluster, Event, Node, Rank, Run, StepSample, of_rank
+from dashboard.storage import step_samples
+from dashboard.telemetry.models import Cluster, Event, Node, Rank, Run
 from dashboard.web.access import BadRequest, api, cluster_or_404, epoch_param, int_param, visible_clusters
 from dashboard.web.links import cluster_url, findings_url, gpu_url, node_url, rank_url, run_url
 from dashboard.web.pages.overview_health import LiveRows, findings_key, node_states
@@ -132,8 +133,7 @@ def _rank_results(clusters: Any, run_part: str | None, number: int) -> list[dict
     runs = list(runs_q.select_related("cluster").order_by(F("last_step_at").desc(nulls_last=True))[:10])
     placed = {(r.run_id): r for r in Rank.objects.filter(run__in=runs, rank=number).select_related("node")}
     # Runs whose hooks sent no metadata have no Rank rows: their steps still say which ranks exist.
-    stepped = set(of_rank(StepSample.objects.filter(run__in=[r for r in runs if r.id not in placed]), number)
-                  .values_list("run_id", flat=True).distinct())
+    stepped = step_samples.runs_with_rank([r.id for r in runs if r.id not in placed], number)
     out = []
     for run in runs:
         if run.id not in placed and run.id not in stepped:

@@ -43,9 +43,10 @@ from dashboard.diagnosis.detectors.window import (
     Table,
     Window,
 )
-from dashboard.diagnosis.loader import ACTIVE_RUN_S, _epoch, _read
+from dashboard.diagnosis.loader import ACTIVE_RUN_S
 from dashboard.diagnosis.models import Finding
-from dashboard.telemetry.models import Cluster, Event, Rank, Run, StepSample
+from dashboard.storage import step_samples
+from dashboard.telemetry.models import Cluster, Event, Rank, Run
 from dashboard.web.links import run_url
 
 RUNS_LISTED = 20
@@ -65,9 +66,7 @@ def _steps_table(runs: list[Run | None]) -> Table:
     stepping = [(i, r) for i, r in enumerate(runs) if r is not None and r.last_step is not None]
     if not stepping:
         return Table.from_rows(("run", *STEP_COLS), (), [])
-    where = " OR ".join("(run_id = %s AND step > %s)" for _ in stepping)
-    params: list[Any] = [v for _, r in stepping for v in (r.id, r.last_step - OVERVIEW_STEPS)]
-    mat, _ = _read(StepSample, ["run_id", *(_epoch() if c == "ts" else c for c in STEP_COLS)], [], where, params)
+    mat = step_samples.recent_matrix([(r.id, r.last_step - OVERVIEW_STEPS) for _, r in stepping], STEP_COLS)
     index = {r.id: float(i) for i, r in stepping}
     cols = {c: mat[i + 1] for i, c in enumerate(STEP_COLS)}
     run_col = np.array([index[int(v)] for v in mat[0]]) if mat.shape[1] else np.empty(0)

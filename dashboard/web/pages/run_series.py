@@ -12,16 +12,15 @@ import math
 from typing import Any
 
 import numpy as np
-from django.db import connection
-from django.db.models import Max, Min
 
 from dashboard.diagnosis.detectors.base import rnd
 from dashboard.diagnosis.detectors.steps import efficiency_figures, efficiency_of
 from dashboard.diagnosis.detectors.window import GPU_NUM, PORT_NUM, PROBE_NUM, STEP_NUM, RunInfo, Table, Window
 from dashboard.diagnosis.models import Finding, StepEfficiency
+from dashboard.storage import step_samples
 from dashboard.storage.models import STEP_SPLIT
 from dashboard.storage.steps import COLUMNS, per_step
-from dashboard.telemetry.models import Rank, Run, StepSample, of_rank
+from dashboard.telemetry.models import Rank, Run
 from dashboard.web.links import finding_url, node_url, rank_url
 
 SPLIT = STEP_SPLIT
@@ -32,11 +31,7 @@ EFFICIENCY_STEPS = 16  # efficiency_figures looks at a run's last 16 steps: per 
 
 
 def step_bounds(run: Run, rank: int | None = None) -> tuple[int, int] | None:
-    qs = StepSample.objects.filter(run=run)
-    if rank is not None:
-        qs = of_rank(qs, rank)
-    b = qs.aggregate(lo=Min("step"), hi=Max("step"))
-    return None if b["lo"] is None else (int(b["lo"]), int(b["hi"]))
+    return step_samples.bounds(run.id, rank)
 
 
 def clamp(bounds: tuple[int, int], lo: int | None, hi: int | None) -> tuple[int, int]:
@@ -183,8 +178,7 @@ def rank_order(run: Run) -> list[dict[str, Any]]:
     """Every rank of the run, ordered by node then local rank (a sick node is a band of adjacent rows)."""
     known = {r["rank"]: r for r in Rank.objects.filter(run=run).values("rank", "node__hostname", "local_rank",
                                                                        "gpu_index")}
-    stepped = set(StepSample.objects.filter(run=run, step=run.last_step).values_list("rank", flat=True)) \
-        if run.last_step is not None else set()
+    stepped = step_samples.ranks_at(run.id, run.last_step) if run.last_step is not None else set()
     for r in stepped - set(known):  # a rank that steps but never sent its RunMeta
         known[r] = {"rank": r, "node__hostname": None, "local_rank": None, "gpu_index": None}
     return sorted(known.values(), key=lambda r: (r["node__hostname"] is None, r["node__hostname"] or "",
@@ -215,16 +209,10 @@ def heatmap(run: Run, metric: str, lo: int, hi: int, cols: int = MAX_HEATMAP_COL
                           "first_row": i, "rows": 1})
     n_cols = (hi - lo) // width + 1
     z = np.full((len(rows), n_cols), np.nan)
-    if metric not in HEATMAP_METRICS:  # a column name in the SQL below: only the known ones
+    if metric not in HEATMAP_METRICS:
         raise ValueError(metric)
-    # One (rank, bucket) mean per cell, grouped by the database and placed with numpy: 1,024 ranks x 600 buckets
-    # are 614,400 cells, and the ORM's per-row converters and a Python loop over them were seconds of it.
-    with connection.cursor() as cur:
-        cur.execute(f"SELECT rank, (step - %s) / %s AS b, AVG({metric}) "
-                    f"FROM {connection.ops.quote_name(StepSample._meta.db_table)} "
-                    "WHERE run_id = %s AND step >= %s AND step <= %s GROUP BY rank, b",
-                    [lo, width, run.id, lo, hi])
-        got = np.array(cur.fetchall(), dtype=float).reshape(-1, 3)
+    # One (rank, bucket) mean per cell, placed with numpy.
+    got = step_samples.bucket_means(run.id, metric, lo, hi, width)
     lut = np.full(int(max([*row_of, *got[:, 0].tolist(), 0])) + 1, -1)
     lut[list(row_of)] = list(row_of.values())
     at, b, v = lut[got[:, 0].astype(int)], got[:, 1].astype(int), got[:, 2]
