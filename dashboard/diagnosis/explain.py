@@ -17,7 +17,7 @@ from dashboard.diagnosis.detectors.base import SEVERITY_RANK, rnd, robust_z
 from dashboard.diagnosis.detectors.network import PORT_ERRORS
 from dashboard.diagnosis.live import finding_row
 from dashboard.diagnosis.models import Finding
-from dashboard.storage import gpu_samples, step_samples
+from dashboard.storage import gpu_samples, probe_samples, step_samples
 from dashboard.telemetry import models as m
 
 PAD_S = 2.0
@@ -122,8 +122,7 @@ def _ports(cluster_id: int, hosts: set[str], t0: float, t1: float) -> list[dict[
 
 
 def _probes(cluster_id: int, t0: float, t1: float) -> dict[str, Any]:
-    qs = m.Probe.objects.filter(cluster_id=cluster_id, ts__gte=_dt(t0 - 3 * PAD_S), ts__lte=_dt(t1 + PAD_S))
-    pairs = list(qs.values_list("node__hostname", "peer", "rtt_ms", "lost", "sent", "bw_gbps")[:20000])
+    pairs = probe_samples.around(cluster_id, t0 - 3 * PAD_S, t1 + PAD_S, ("rtt_ms", "lost", "sent", "bw_gbps"), 20000)
     rtts = [p[2] for p in pairs if p[2] is not None]
     worst = sorted((p for p in pairs if p[2] is not None or p[3]), key=lambda p: (-(p[3] / max(p[4], 1)),
                                                                                    -(p[2] or 0)))[:10]

@@ -26,19 +26,18 @@ from typing import Any
 
 import numpy as np
 from django.conf import settings
-from django.db.models import F, FloatField, Q
-from django.db.models.functions import Cast, NullIf
+from django.db.models import Q
 
 from dashboard.diagnosis.detectors import KINDS
 from dashboard.diagnosis.detectors.base import Thresholds
 from dashboard.diagnosis.detectors.network import PORT_ERRORS
 from dashboard.diagnosis.detectors.window import SPANS
 from dashboard.diagnosis.models import Finding
-from dashboard.storage import gpu_samples, step_samples
-from dashboard.telemetry.models import AgentBatch, Event, Gpu, HostSample, PortSample, Probe, Rank
+from dashboard.storage import gpu_samples, probe_samples, step_samples
+from dashboard.telemetry.models import AgentBatch, Event, Gpu, HostSample, PortSample, Rank
 from dashboard.web import evidence_math as em
 from dashboard.web.evidence_headline import headline
-from dashboard.web.series import TimeRange, downsample, tiered
+from dashboard.web.series import TimeRange, tiered
 
 __all__ = ["KINDS", "chart", "context_range", "headline", "thresholds"]
 
@@ -424,13 +423,11 @@ def _failing_gpu(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[s
 
 # -- network: slow link, node down -------------------------------------------------------------------------------
 
-def _probe_qs(f: Finding) -> Any:
+def _pair_probes(f: Finding, tr: TimeRange, fields: list[str]) -> dict[str, Any] | None:
+    """Both directions of the finding's pair, or every probe its node sent or was sent when only one end is known."""
     if f.peer_node_id:
-        a, b = f.node, f.peer_node
-        return Probe.objects.filter(Q(node=a, peer=b.hostname) | Q(node=b, peer=a.hostname))
-    # Each side of the OR on an index of its own, (node, ts) and (cluster, peer, ts), with no cluster term around it
-    # (the node is the cluster's): ANDed with one, SQLite scanned every probe of the cluster in the window instead.
-    return Probe.objects.filter(Q(node_id=f.node_id) | Q(cluster_id=f.cluster_id, peer=f.node.hostname))
+        return probe_samples.of_pair((f.node_id, f.node.hostname), (f.peer_node_id, f.peer_node.hostname), tr, fields)
+    return probe_samples.of_node(f.cluster_id, f.node_id, f.node.hostname, tr, fields)
 
 
 def _slow_link(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, Any]]:
@@ -439,7 +436,7 @@ def _slow_link(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str
     if f.node_id is None:
         return []
     metrics, win, out = (f.evidence or {}).get("metrics") or {}, evidence_window(f), []
-    got = downsample(_probe_qs(f), TimeRange(t0, t1, POINTS), ["rtt_ms", "bw_gbps"]).get("")
+    got = _pair_probes(f, TimeRange(t0, t1, POINTS), ["rtt_ms", "bw_gbps"])
     if got and metrics.get("rtt_ms") is not None:
         xs, base = got["t"], metrics.get("baseline_rtt_ms")
         out.append(panel("rtt", f"Probe RTT of {f.subject}'s pairs vs the cluster's quiet RTT", "time", "RTT (ms)",
@@ -467,10 +464,7 @@ def _switch(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str, A
     hosts = list(metrics.get("nodes") or [])[:256]
     if not hosts:
         return []
-    qs = Probe.objects.filter(cluster_id=f.cluster_id, node__hostname__in=hosts)
-    rng = TimeRange(t0, t1, POINTS)
-    cross = downsample(qs.exclude(peer__in=hosts), rng, ["rtt_ms"]).get("")
-    inside = downsample(qs.filter(peer__in=hosts), rng, ["rtt_ms"]).get("")
+    cross, inside = probe_samples.across(f.cluster_id, hosts, TimeRange(t0, t1, POINTS), ["rtt_ms"])
     if not cross:
         return []
     xs, base = cross["t"], metrics.get("baseline_rtt_ms")
@@ -575,9 +569,7 @@ def _node_down(f: Finding, t: Thresholds, t0: float, t1: float) -> list[dict[str
         lines.reverse()
     out = [panel("silence", f"Seconds since {f.node.hostname} was last heard from{source}", "time", "silent for (s)",
                  [line("heartbeat gap", "subject", xl, em.silence(heard, xs))], lines, window=win)]
-    loss_qs = Probe.objects.filter(cluster_id=f.cluster_id, peer=f.node.hostname).annotate(
-        loss=Cast(F("lost"), FloatField()) / NullIf(Cast(F("sent"), FloatField()), 0.0))
-    got = downsample(loss_qs, TimeRange(t0, t1, POINTS), ["loss"]).get("")
+    got = probe_samples.to_node(f.cluster_id, f.node.hostname, TimeRange(t0, t1, POINTS), ["loss"])
     if got:
         out.append(panel("probe_loss", f"Probe loss of the peers' probes to {f.node.hostname}", "time", "loss",
                          [line("probe loss", "subject", got["t"], em.clean(got["loss"]["mean"]))],

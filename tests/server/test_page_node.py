@@ -198,7 +198,7 @@ def test_probes_to_a_node_are_read_by_index_not_by_scanning_the_cluster(client: 
     finding = Finding(cluster=world.cluster, node=node, kind="node_down", subject=node.hostname)
     with CaptureQueriesContext(connection) as seen:
         series = node_series.probe_series(node, TimeRange(now - 900, now, 100))
-        got = evidence.downsample(evidence._probe_qs(finding), TimeRange(now - 900, now, 100), ["rtt_ms"]).get("")
+        got = evidence._pair_probes(finding, TimeRange(now - 900, now, 100), ["rtt_ms"])
     assert {p["direction"] for p in series["peers"]} == {"in", "out"} and got and got["t"]
     plans = _plans(seen.captured_queries, "telemetry_probe")
     assert len(plans) >= 5, plans

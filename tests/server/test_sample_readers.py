@@ -17,6 +17,7 @@ KEEPERS = {"dashboard/telemetry/models.py", "dashboard/ingest/writer.py", "dashb
 READERS = {
     "GpuSample": {"dashboard/storage/gpu_samples.py", "dashboard/storage/models.py"},
     "StepSample": {"dashboard/storage/step_samples.py", "dashboard/storage/steps.py"},
+    "Probe": {"dashboard/storage/probe_samples.py"},
 }
 
 

@@ -18,8 +18,7 @@ from urllib.parse import quote
 
 import numpy as np
 from django.contrib.auth.decorators import login_required
-from django.db.models import Avg, F, FloatField, Max, Q, Sum
-from django.db.models.functions import Cast, Floor, NullIf
+from django.db.models import Avg, Q
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import path
@@ -31,10 +30,11 @@ from dashboard.diagnosis.detectors.network import _bad_pairs
 from dashboard.diagnosis.detectors.window import GPU_NUM, GPU_OBJ, PORT_NUM, PORT_OBJ, SPANS, STEP_NUM, Table, Window
 from dashboard.diagnosis.live import finding_row
 from dashboard.diagnosis.models import Finding
-from dashboard.telemetry.models import Cluster, HostSample, Node, Probe
+from dashboard.storage import probe_samples
+from dashboard.telemetry.models import Cluster, HostSample, Node
 from dashboard.web.access import BadRequest, api, cluster_or_404
 from dashboard.web.links import link_url, node_url
-from dashboard.web.series import Epoch, TimeRange, downsample, downsample_tiered, in_range, parse_range, tiered
+from dashboard.web.series import TimeRange, downsample_tiered, in_range, parse_range, tiered
 
 # A pair's median over the range is the median of its per-bucket means over this many buckets: the database
 # returns pairs x buckets rows (not one per probe), and a transient spike in one bucket does not move the median.
@@ -109,11 +109,7 @@ def grouped_median(inverse: np.ndarray, values: np.ndarray, n_groups: int) -> np
 def _pair_rows(cluster: Cluster, tr: TimeRange) -> tuple[list[tuple[Any, ...]], bool]:
     """(node_id, peer, sent, lost, mean RTT, mean p99 RTT, mean bandwidth) per pair and bucket of the range."""
     width = max(1.0, math.ceil((tr.t1 - tr.t0) / MATRIX_BUCKETS))
-    qs = (in_range(Probe.objects.filter(cluster=cluster), tr).annotate(bucket=Floor(Epoch(F("ts")) / width))
-          .values_list("node_id", "peer", "bucket")
-          .annotate(s=Sum("sent"), lo=Sum("lost"), rtt=Avg("rtt_ms"), p99=Avg("rtt_p99_ms"), bw=Avg("bw_gbps"))
-          .order_by())
-    rows = list(qs[:MAX_ROWS + 1])
+    rows: list[tuple[Any, ...]] = list(probe_samples.pair_buckets(cluster.id, tr, width, MAX_ROWS + 1))
     return rows[:MAX_ROWS], len(rows) > MAX_ROWS
 
 
@@ -215,13 +211,12 @@ def _baseline(cluster: Cluster, tr: TimeRange, t: Thresholds) -> dict[str, Any]:
     """The cluster's quiet RTT and bandwidth as the detector computes them (25th / 75th percentile of probe rows),
     from the newest probes in the range (as much as a diagnosis pass reads): the lines the pair's series is judged
     against."""
-    probes = in_range(Probe.objects.filter(cluster=cluster), tr)
-    newest = probes.aggregate(t=Max("ts"))["t"]
+    newest = probe_samples.newest(cluster.id, tr)
     if newest is None:
         return _limits(t, {"rtt_ms": math.nan, "bw_gbps": math.nan})
-    recent = TimeRange(max(tr.t0, newest.timestamp() - BASELINE_S), newest.timestamp() + 1e-3)
-    vals = np.array(list(in_range(Probe.objects.filter(cluster=cluster), recent)
-                         .values_list("rtt_ms", "bw_gbps")[:200_000]), dtype=float).reshape(-1, 2)
+    recent = TimeRange(max(tr.t0, newest - BASELINE_S), newest + 1e-3)
+    vals = np.array(probe_samples.values(cluster.id, recent, ("rtt_ms", "bw_gbps"), 200_000),
+                    dtype=float).reshape(-1, 2)
     with np.errstate(all="ignore"):
         rtt = float(np.nanpercentile(vals[:, 0], 25)) if np.any(~np.isnan(vals[:, 0])) else math.nan
         bw = float(np.nanpercentile(vals[:, 1], 75)) if np.any(~np.isnan(vals[:, 1])) else math.nan
@@ -241,7 +236,7 @@ def _pair_or_404(cluster: Cluster, a: str, b: str) -> tuple[dict[str, Any], dict
     if ea["node"] is None or eb["node"] is None:
         agent = ea if ea["node"] else eb
         other = eb if ea["node"] else ea
-        if not Probe.objects.filter(cluster=cluster, node=agent["node"], peer=other["host"]).exists():
+        if not probe_samples.exists(cluster.id, agent["node"].id, other["host"]):
             raise Http404("no such link")
     return ea, eb
 
@@ -249,9 +244,8 @@ def _pair_or_404(cluster: Cluster, a: str, b: str) -> tuple[dict[str, Any], dict
 def _direction(cluster: Cluster, frm: dict[str, Any], to: dict[str, Any], tr: TimeRange) -> dict[str, Any]:
     series: dict[str, Any] = {}
     if frm["node"] is not None:
-        qs = Probe.objects.filter(cluster=cluster, node=frm["node"], peer=to["host"]).annotate(
-            loss=Cast(F("lost"), FloatField()) / NullIf(F("sent"), 0))
-        series = downsample(qs, tr, ["rtt_ms", "rtt_p99_ms", "loss", "bw_gbps"]).get("", {})
+        series = probe_samples.from_node(frm["node"].id, tr, ["rtt_ms", "rtt_p99_ms", "loss", "bw_gbps"],
+                                         peer=to["host"]) or {}
     return {"from": frm["host"], "to": to["host"], "series": series}
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from django.db.models import Case, F, FloatField, Value, When
+from django.db.models import Case, FloatField, Value, When
 from django.db.models.fields.json import KT
 from django.db.models.functions import Cast
 
-from dashboard.storage import gpu_samples
-from dashboard.telemetry.models import HostSample, Node, PortSample, Probe
+from dashboard.storage import gpu_samples, probe_samples
+from dashboard.telemetry.models import HostSample, Node, PortSample
 from dashboard.web.links import link_url, node_url
 from dashboard.web.series import TimeRange, downsample, downsample_tiered, in_range, tiered
 
@@ -154,23 +154,18 @@ def probe_series(node: Node, tr: TimeRange) -> dict[str, Any]:
     series for the worst few, and a table of every peer with its link. A 2,048-node pingmesh rotates through every
     peer in a day, so drawing one trace per peer would be 2,000 traces."""
     cluster = node.cluster.name
-    loss = Case(When(sent__gt=0, then=F("lost") * 100.0 / F("sent")), default=None, output_field=FloatField())
-    sides = {
-        "out": Probe.objects.filter(node=node).annotate(other=F("peer")),
-        # The writer stores the peer's host name (``peer_node`` is never set): the (cluster, peer, ts) index.
-        "in": Probe.objects.filter(cluster_id=node.cluster_id, peer=node.hostname)
-        .annotate(other=F("node__hostname")),
-    }
     fields = ["rtt_ms", "rtt_p99_ms", "bw_gbps", "loss_pct"]
+    sides = {  # (all peers together, one series per peer)
+        "out": (probe_samples.from_node(node.id, tr, fields), probe_samples.from_node_by_peer(node.id, tr, fields)),
+        "in": (probe_samples.to_node(node.cluster_id, node.hostname, tr, fields),
+               probe_samples.to_node_by_sender(node.cluster_id, node.hostname, tr, fields)),
+    }
     keep = {"rtt_ms": ("min", "mean", "max"), "rtt_p99_ms": ("max",), "bw_gbps": ("min", "mean", "max"),
             "loss_pct": ("max",)}
     out: dict[str, Any] = {"all": {}, "peers": [], "series": {}}
-    for side, qs in sides.items():
-        qs = qs.annotate(loss_pct=loss)
-        overall = downsample(qs, tr, fields).get("")
+    for side, (overall, per_peer) in sides.items():
         if overall:
             out["all"][side] = _compact(overall, keep)
-        per_peer = downsample(qs, tr, fields, by=["other"])
         for peer, s in per_peer.items():
             rtts = [v for v in s["rtt_ms"]["mean"] if v is not None]
             bws = [v for v in s["bw_gbps"]["mean"] if v is not None]
