@@ -6,11 +6,12 @@ records, the writer builds ~27 rows and SQLite binds each cell. That is the floo
 (docs/scaling.md): cutting the parser (Arrow's JSON reader) or one post's GPUs into a block buys nothing, because
 the cost is per value, per post.
 
-The alternative measured here: the agent sends the GPU, step, probe and beat numbers of a post as base64 float64
-matrices (one per kind, a row per record; null is NaN) beside the few strings and JSON values they carry, and the
-host and port samples as today's records. The server decodes each post's envelope with msgspec, then handles a whole
-group of posts at once: one matrix per kind for the group, checked column by column against the wire's own ranges
-(``clusterdx.wire``: bounds, integers, which fields may be null) and stored as one zlib-compressed row per post and
+The alternative measured here is wire version 2 (``clusterdx.blocks``, the agent's encoder): the GPU, step, probe
+and beat numbers of a post as base64 float64 matrices (one per kind, a row per record; null is NaN) beside the few
+strings and JSON values they carry, and the host and port samples as today's records. The server decodes each
+post's envelope with msgspec and its blocks with ``dashboard.ingest.blocks`` (the server's own decoder), then
+checks a whole group of posts at once: one matrix per kind for the group, column by column against the wire's own
+ranges (``clusterdx.wire``: bounds, integers, which fields may be null) and stored as one zlib-compressed row per post and
 kind, under the same two indexes as today's series tables; host and port rows as today. The idempotency ledger
 row and the body's SHA-256 are kept, as the server does.
 
@@ -32,7 +33,6 @@ import gc
 import gzip
 import hashlib
 import json
-import math
 import os
 import resource
 import sqlite3
@@ -49,127 +49,27 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# Before anything of dashboard is imported (importing it reads the settings): today's side stores into a fresh
+# database of its own, never into the server's.
+os.environ["CLUSTERDX_DATA_DIR"] = tempfile.mkdtemp(prefix="cdx-columnar-")
+os.environ["DJANGO_SETTINGS_MODULE"] = "dashboard.settings"
 
-from clusterdx import wire  # noqa: E402
+from clusterdx import blocks, wire  # noqa: E402
 from clusterdx.wire_compiled import struct  # noqa: E402
+from dashboard.ingest import blocks as server_blocks  # noqa: E402
 
-GPU_JSON = ("throttle_reasons", "unavailable")
-STEP_JSON = ("metrics", "phases", "groups")
-# The numeric columns of each block, a row per record: every wire field that is a number (or a bool), in order.
-KINDS: dict[str, tuple[type[wire.Record], tuple[str, ...]]] = {
-    "gpus": (wire.GpuSample, ("uuid", "name", "pci_bus_id", *GPU_JSON)),
-    "steps": (wire.Step, ("run", *STEP_JSON)),
-    "probes": (wire.Probe, ("peer",)),
-    "beats": (wire.RankBeat, ("run", "state")),
-}
-STATES = typing.get_args(typing.get_type_hints(wire.RankBeat)["state"])
-
-
-class Column(msgspec.Struct, frozen=True):
-    name: str
-    lo: float
-    hi: float
-    integer: bool
-    nullable: bool
-
-
-def columns(cls: type[wire.Record], skip: tuple[str, ...]) -> list[Column]:
-    """The wire's own checks of each numeric field of ``cls``, as numbers a matrix column is compared with."""
-    out = []
-    for name, (tp, _default) in wire._fields(cls).items():
-        if name in skip:
-            continue
-        tp, meta = wire._split_annotated(tp)
-        args = typing.get_args(tp)
-        nullable = type(None) in args
-        if nullable:
-            (tp,) = [a for a in args if a is not type(None)]
-            tp, inner = wire._split_annotated(tp)
-            meta = meta + inner
-        ranges = [m for m in meta if isinstance(m, wire.Range)]
-        lo = max([r.ge for r in ranges if r.ge is not None], default=-sys.float_info.max)
-        hi = min([r.le for r in ranges if r.le is not None], default=sys.float_info.max)
-        if tp is bool:
-            lo, hi = 0.0, 1.0
-        out.append(Column(name, float(lo), float(hi), tp in (int, bool), nullable))
-    return out
-
-
-COLS = {kind: columns(cls, skip) for kind, (cls, skip) in KINDS.items()}
-
-
-def block(records: list[dict[str, Any]], cols: list[Column]) -> str:
-    m = np.array([[math.nan if r.get(c.name) is None else float(r[c.name]) for c in cols] for r in records],
-                 dtype=np.float64).reshape(len(records), len(cols))
-    return base64.b64encode(m.tobytes()).decode()
-
-
-def columnar_body(batch: dict[str, Any]) -> dict[str, Any]:
-    """Today's batch as the columnar wire would carry it."""
-    keep = ("v", "agent_id", "seq", "host", "sent_at", "topology", "hosts", "ports", "events", "runs")
-    g, s, p, b = (batch[k] for k in ("gpus", "steps", "probes", "beats"))
-    return {**{k: batch[k] for k in keep if k in batch},
-            "gpus": {"uuid": [x.get("uuid") for x in g], "name": [x.get("name") for x in g],
-                     "pci_bus_id": [x.get("pci_bus_id") for x in g], "num": block(g, COLS["gpus"]),
-                     "json": [[x.get(f) for f in GPU_JSON] for x in g]},
-            "steps": {"run": [x["run"] for x in s], "num": block(s, COLS["steps"]),
-                      "json": [[x.get(f) for f in STEP_JSON] for x in s]},
-            "probes": {"peer": [x["peer"] for x in p], "num": block(p, COLS["probes"])},
-            "beats": {"run": [x["run"] for x in b], "state": [x["state"] for x in b], "num": block(b, COLS["beats"])}}
-
-
-class GpuBlock(msgspec.Struct, forbid_unknown_fields=True):
-    uuid: list[str | None]
-    name: list[str | None]
-    pci_bus_id: list[str | None]
-    num: str
-    json: list[list[Any]]
-
-
-class StepBlock(msgspec.Struct, forbid_unknown_fields=True):
-    run: list[str]
-    num: str
-    json: list[list[Any]]
-
-
-class ProbeBlock(msgspec.Struct, forbid_unknown_fields=True):
-    peer: list[str]
-    num: str
-
-
-class BeatBlock(msgspec.Struct, forbid_unknown_fields=True):
-    run: list[str]
-    state: list[typing.Literal[STATES]]  # type: ignore[valid-type]
-    num: str
-
-
+COLS = {kind: blocks.LAYOUTS[kind].numbers for kind in blocks.BLOCKED}
+# The post's envelope: the blocks as JSON values, for the server's own block decoder (dashboard.ingest.blocks).
 ColumnarBatch = msgspec.defstruct("ColumnarBatch", [
-    ("v", typing.Literal[1]), ("agent_id", str), ("seq", int), ("host", str), ("sent_at", float),
+    ("v", typing.Literal[2]), ("agent_id", str), ("seq", int), ("host", str), ("sent_at", float),
     ("topology", struct(wire.Topology) | None, None), ("hosts", list[struct(wire.HostSample)], []),
     ("ports", list[struct(wire.PortSample)], []), ("events", list[struct(wire.Event)], []),
-    ("runs", list[struct(wire.RunMeta)], []), ("gpus", GpuBlock), ("steps", StepBlock), ("probes", ProbeBlock),
-    ("beats", BeatBlock)], kw_only=True, forbid_unknown_fields=True)
+    ("runs", list[struct(wire.RunMeta)], []), ("gpus", dict[str, Any]), ("steps", dict[str, Any]),
+    ("probes", dict[str, Any]), ("beats", dict[str, Any])], kw_only=True, forbid_unknown_fields=True)
 _decode = msgspec.json.Decoder(ColumnarBatch).decode
 _encode = msgspec.json.Encoder().encode
-LO = {k: np.array([c.lo for c in cs]) for k, cs in COLS.items()}
-HI = {k: np.array([c.hi for c in cs]) for k, cs in COLS.items()}
-INTEGER = {k: np.array([c.integer for c in cs]) for k, cs in COLS.items()}
-NULLABLE = {k: np.array([c.nullable for c in cs]) for k, cs in COLS.items()}
 FRAMES = {"gpus": "gpuframe", "steps": "stepframe", "probes": "probeframe"}  # beats go to the live state only
-# What a frame keeps beside its numbers: the strings and JSON values of its records, as one JSON text.
-FRAME_OBJS: dict[str, Any] = {
-    "gpus": lambda b: [b.gpus.uuid, b.gpus.name, b.gpus.pci_bus_id, b.gpus.json],
-    "steps": lambda b: [b.steps.run, b.steps.json],
-    "probes": lambda b: b.probes.peer,
-}
 HOST, PORT = wire.field_names(wire.HostSample), wire.field_names(wire.PortSample)
-
-
-def check(kind: str, mat: np.ndarray) -> bool:
-    """The wire's checks of a whole group's block at once: in range, whole where an integer, null only if allowed."""
-    null = np.isnan(mat)
-    ok = (mat >= LO[kind]) & (mat <= HI[kind]) & (~INTEGER[kind] | (np.floor(mat) == mat))
-    return bool((ok | (null & NULLABLE[kind])).all())
 
 
 class Columnar:
@@ -193,12 +93,10 @@ class Columnar:
         bodies = [zlib.decompress(p, 31) for p in posts]
         batches = [_decode(b) for b in bodies]
         digests = [hashlib.sha256(b).hexdigest() for b in bodies]
-        raw: dict[str, list[bytes]] = {}
-        for kind in COLS:
-            raw[kind] = [base64.b64decode(getattr(b, kind).num) for b in batches]
-            mat = np.frombuffer(b"".join(raw[kind]), dtype=np.float64).reshape(-1, len(COLS[kind]))
-            if not check(kind, mat):
-                raise ValueError(f"a {kind} value out of the wire's range")  # the server would check post by post
+        decoded = {kind: [server_blocks.decode_block(kind, getattr(b, kind), fast=True) for b in batches] for kind in COLS}
+        # The whole group's numbers checked at once, per kind (a refusal would send the group post by post).
+        server_blocks.check([blk for kind_blocks in decoded.values() for blk in kind_blocks])
+        raw = {kind: [blk.mat.tobytes() for blk in decoded[kind]] for kind in FRAMES}
         ids = [self.nodes.setdefault(b.host, len(self.nodes) + 1) for b in batches]
         now = time.time()
         db = self.db
@@ -211,8 +109,8 @@ class Columnar:
             width = len(COLS[kind])
             db.executemany(f"INSERT INTO {table} (cluster_id, node_id, ts, n, num, obj) VALUES (1, ?, ?, ?, ?, ?)",
                            [(i, float(np.frombuffer(r, dtype=np.float64, count=1, offset=8 * at)[0]),
-                             len(r) // 8 // width, zlib.compress(r, 1), _encode(FRAME_OBJS[kind](b)))
-                            for i, r, b in zip(ids, raw[kind], batches, strict=True) if r])
+                             len(r) // 8 // width, zlib.compress(r, 1), _encode(blk.cols))
+                            for i, r, blk in zip(ids, raw[kind], decoded[kind], strict=True) if r])
         for table, cols, get in (("host", HOST, lambda b: b.hosts), ("port", PORT, lambda b: b.ports)):
             db.executemany(f"INSERT INTO {table} (cluster_id, node_id, {', '.join(cols)}) "
                            f"VALUES (1, ?, {', '.join('?' * len(cols))})",
@@ -255,8 +153,6 @@ def cpu() -> float:
 
 def run_today(plan: list[list[bytes]], fill: int, group: int) -> float:
     """CPU per node-second of the server's own decode and group commit (a fresh migrated SQLite database)."""
-    os.environ["CLUSTERDX_DATA_DIR"] = tempfile.mkdtemp(prefix="cdx-columnar-")
-    os.environ["DJANGO_SETTINGS_MODULE"] = "dashboard.settings"
     import django
 
     django.setup()
@@ -316,7 +212,7 @@ def main() -> int:
     for tick in batches:
         bodies = []
         for b in tick:
-            body = columnar_body(b)
+            body = blocks.encode_batch(b)
             bodies.append(_gz(body))
             for k in FRAMES:
                 sent[k].append(np.frombuffer(base64.b64decode(body[k]["num"]), dtype=np.float64)

@@ -1,0 +1,292 @@
+"""The server's half of wire version 2 (:mod:`clusterdx.blocks`): a post's blocks decoded into float64 matrices and
+checked against the wire's declarations, a whole group of posts' matrices at once.
+
+The numeric checks are a handful of numpy comparisons over a matrix, whatever its number of rows: in range, whole
+where the wire says an integer, 0 or 1 where it says a bool, NaN (null) only where the wire allows None; an infinite
+value is out of every range. The other fields (strings, literals, lists and mappings, a few per record) go through
+the wire's own compiled check of that field, once per distinct value: a step block's 8 ranks name one run.
+:func:`records` gives back version 1's records (the dicts ``wire.validate`` returns), for the writer until it stores
+blocks as they came (docs/scaling.md, the columnar plan) and for the tests that hold the two versions to one meaning.
+
+Every refusal is a :class:`~clusterdx.wire.WireError` whose path names the block and, for a value, its row and field
+(``gpus[3].util_gpu_pct``), worded as version 1 words it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from clusterdx import wire, wire_compiled
+from clusterdx.blocks import BLOCK_WIRE_VERSION, BLOCKED, LAYOUTS, Column, Layout
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One post's block of one kind: ``mat`` has a row per record and a column per numeric field in the layout's
+    order (a column the post left out is NaN); ``cols`` has every other field's values, a list of ``n`` each."""
+
+    kind: str
+    mat: np.ndarray
+    cols: dict[str, list[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Bounds:
+    lo: np.ndarray
+    hi: np.ndarray
+    whole: np.ndarray
+    nullable: np.ndarray
+    index: dict[str, int]
+
+
+_BOUNDS = {kind: _Bounds(np.array([c.lo for c in lay.numbers]), np.array([c.hi for c in lay.numbers]),
+                         np.array([c.type != "float" for c in lay.numbers]),
+                         np.array([c.nullable for c in lay.numbers]), {c.name: i for i, c in enumerate(lay.numbers)})
+           for kind, lay in LAYOUTS.items()}
+# Each non-numeric field's own check, as version 1's reference path compiles it (None passes where the field is
+# optional), and as msgspec types of a whole column (wire_compiled, the same declarations): the fast path, which
+# is never looser; what it refuses goes to the reference check, which decides and words the error.
+_OTHER_CHECKS = {kind: {f: wire._compile(wire._fields(lay.record)[f][0]) for f in lay.others}
+                 for kind, lay in LAYOUTS.items()}
+_OTHER_TYPES = {kind: {f: list[wire_compiled._type(wire._fields(lay.record)[f][0])] for f in lay.others}  # type: ignore[misc]
+                for kind, lay in LAYOUTS.items()}
+_KEYS = {"n", "num_cols", "num", "cols"}
+
+
+def _fail(path: str, message: str) -> wire.WireError:
+    return wire.WireError(path, message)
+
+
+def _num_cols(kind: str, raw: Any, path: str) -> list[int]:
+    """Where each of the post's matrix columns goes in the layout's."""
+    if type(raw) is not list or any(type(c) is not str for c in raw):
+        raise _fail(path, "expected a list of column names")
+    lay, idx = LAYOUTS[kind], _BOUNDS[kind].index
+    out = []
+    for i, name in enumerate(raw):
+        if name not in idx:
+            raise _fail(f"{path}[{i}]", f"unknown column (a {lay.record.__name__} has no numeric field {name[:64]!r})")
+        out.append(idx[name])
+    if len(set(out)) != len(out):
+        raise _fail(path, "a column is named twice")
+    missing = [c.name for c in lay.numbers if c.required and idx[c.name] not in out]
+    if missing:
+        raise _fail(path, f"missing required column {missing[0]!r}")
+    return out
+
+
+def decode_block(kind: str, raw: Any, path: str | None = None, fast: bool = False) -> Block:
+    """Check one block's shape (not yet its numbers: :func:`check`) and decode it. ``raw`` is the JSON value;
+    ``fast``: whether its strings may be judged by the compiled checks (not where the post has a NUL escape)."""
+    path = kind if path is None else path
+    lay = LAYOUTS[kind]
+    if type(raw) is not dict:
+        raise _fail(path, "expected a block: an object with n, num_cols, num and cols")
+    unknown = raw.keys() - _KEYS
+    if unknown:
+        raise _fail(f"{path}.{sorted(unknown)[0][:64]}", "unknown field (a block has n, num_cols, num and cols)")
+    for key in ("n", "num_cols", "num"):
+        if key not in raw:
+            raise _fail(f"{path}.{key}", "missing required field")
+    n = raw["n"]
+    if type(n) is not int or not 0 <= n <= lay.max_rows:
+        raise _fail(f"{path}.n", f"must be a whole number from 0 to {lay.max_rows}, got {wire._describe(n)}")
+    where = _num_cols(kind, raw["num_cols"], f"{path}.num_cols")
+    if type(raw["num"]) is not str:
+        raise _fail(f"{path}.num", f"expected base64 text, got {wire._describe(raw['num'])}")
+    want = 8 * n * len(where)
+    # 4 base64 characters per 3 bytes: a longer text cannot be the matrix, and is not decoded to find out.
+    if len(raw["num"]) > 4 * math.ceil(want / 3):
+        raise _fail(f"{path}.num", f"longer than {n} rows x {len(where)} columns of float64")
+    try:
+        data = base64.b64decode(raw["num"], validate=True)
+    except (binascii.Error, ValueError):
+        raise _fail(f"{path}.num", "not base64") from None
+    if len(data) != want:
+        raise _fail(f"{path}.num", f"holds {len(data)} bytes; {n} rows x {len(where)} columns x 8 are {want}")
+    got = np.frombuffer(data, dtype="<f8").reshape(n, len(where))
+    if len(where) == len(lay.numbers) and where == list(range(len(where))):
+        mat = got.astype(np.float64, copy=False)
+    else:
+        mat = np.full((n, len(lay.numbers)), np.nan)
+        mat[:, where] = got
+    return Block(kind, mat, _cols(kind, lay, raw.get("cols", {}), n, f"{path}.cols", fast))
+
+
+def _cols(kind: str, lay: Layout, raw: Any, n: int, path: str, fast: bool) -> dict[str, list[Any]]:
+    if type(raw) is not dict:
+        raise _fail(path, f"expected an object, got {wire._describe(raw)}")
+    checks = _OTHER_CHECKS[kind]
+    unknown = raw.keys() - checks.keys()
+    if unknown:
+        name = sorted(unknown)[0][:64]
+        raise _fail(f"{path}.{name}", f"unknown field (a {lay.record.__name__} has no such field)")
+    out: dict[str, list[Any]] = {}
+    for f in lay.others:
+        if f not in raw:
+            if f in lay.required_others and n:
+                raise _fail(f"{path}.{f}", "missing required field")
+            out[f] = [lay.defaults.get(f)] * n
+            continue
+        values = raw[f]
+        if type(values) is not list or len(values) != n:
+            raise _fail(f"{path}.{f}", f"expected a list of {n} values, got {wire._describe(values)}")
+        if fast:
+            try:
+                out[f] = msgspec.to_builtins(msgspec.convert(values, _OTHER_TYPES[kind][f]))
+                continue
+            except msgspec.ValidationError:
+                pass
+        # The check's own result (a nested record comes back with its defaults filled in, as version 1 gives it),
+        # worked out once per distinct string.
+        check, seen, kept = checks[f], {}, []
+        for i, v in enumerate(values):
+            if v is None and f in lay.required_others:
+                raise _fail(f"{path}.{f}[{i}]", "missing required field")
+            if isinstance(v, str):
+                if v not in seen:
+                    seen[v] = check(v, f"{path}.{f}[{i}]")
+                kept.append(seen[v])
+            else:
+                kept.append(check(v, f"{path}.{f}[{i}]"))
+        out[f] = kept
+    return out
+
+
+def _why(col: Column, v: float) -> str:
+    """Version 1's words for a refused value."""
+    if math.isnan(v):
+        return "missing required field" if col.required else "must not be null"
+    if not math.isfinite(v):
+        return "must be a finite number"
+    if col.type == "bool" and v not in (0.0, 1.0):
+        return f"expected true or false, got {v!r}"
+    if col.type == "int" and not v.is_integer():
+        return f"expected an integer, got {v!r}"
+    if v < col.lo:
+        return f"must be >= {wire._bound(col.lo)}, got {v!r}"
+    return f"must be <= {wire._bound(col.hi)}, got {v!r}"
+
+
+def first_bad(kind: str, mat: np.ndarray) -> tuple[int, int, str] | None:
+    """The first (row, column, reason) of ``mat`` (any number of posts' rows of ``kind``) that the wire refuses."""
+    b = _BOUNDS[kind]
+    null = np.isnan(mat)
+    with np.errstate(invalid="ignore"):
+        ok = (mat >= b.lo) & (mat <= b.hi) & (~b.whole | (np.floor(mat) == mat))
+    ok |= null & b.nullable
+    if ok.all():
+        return None
+    row, col = (int(x) for x in np.argwhere(~ok)[0])
+    c = LAYOUTS[kind].numbers[col]
+    return row, col, _why(c, float(mat[row, col]))
+
+
+def check(blocks: list[Block]) -> None:
+    """Check the numbers of ``blocks`` (any kinds, any posts), each kind's as one matrix; raises the first refusal's
+    :class:`~clusterdx.wire.WireError`, its path naming the row within its own block."""
+    by_kind: dict[str, list[Block]] = {}
+    for blk in blocks:
+        by_kind.setdefault(blk.kind, []).append(blk)
+    for kind, group in by_kind.items():
+        mats = [b.mat for b in group]
+        bad = first_bad(kind, mats[0] if len(mats) == 1 else np.concatenate(mats))
+        if bad is None:
+            continue
+        row, col, why = bad
+        for b in group:  # which block the row is in
+            if row < len(b.mat):
+                raise _fail(f"{kind}[{row}].{LAYOUTS[kind].numbers[col].name}", why)
+            row -= len(b.mat)
+
+
+_AS = {"float": float, "int": int, "bool": bool}
+# Per kind, each field in declaration order (as version 1's dicts have them): a matrix column's index and its
+# conversion, or None for a field of ``cols``.
+_ORDER = {kind: [(f, *next(((i, _AS[c.type]) for i, c in enumerate(lay.numbers) if c.name == f), (None, None)))
+                 for f in wire._fields(lay.record)] for kind, lay in LAYOUTS.items()}
+
+
+def records(block: Block) -> list[dict[str, Any]]:
+    """The block's records as version 1's dicts (fields in declaration order, None where null)."""
+    order, cols = _ORDER[block.kind], block.cols
+    out = []
+    for i, row in enumerate(block.mat.tolist()):
+        out.append({f: (cols[f][i] if at is None else None if row[at] != row[at] else as_(row[at]))
+                    for f, at, as_ in order})
+    return out
+
+
+# Where a producer writes the version first (the agent does), one look at the body's start tells a version 2 post.
+_V2_START = re.compile(rb'\s*\{\s*"v"\s*:\s*2\s*[,}]')
+SPOKEN = f"this server speaks {wire.WIRE_VERSION} and {BLOCK_WIRE_VERSION}"
+
+
+def parse(body: bytes) -> dict[str, Any]:
+    """Decode and check a post of either version: what ``wire.parse_batch(body, keep_records=True)`` gives for
+    version 1, and for version 2 the same batch (its blocks' records as version 1's dicts). Raises
+    :class:`~clusterdx.wire.MalformedJson` or :class:`~clusterdx.wire.WireError` as version 1 does."""
+    if _V2_START.match(body, 0, 64):
+        return parse_v2(body)
+    try:
+        return wire.parse_batch(body, keep_records=True)
+    except wire.WireError as exc:
+        if exc.path != "v":
+            raise
+    return parse_v2(body)  # "v" not first, or a version this server does not speak: version 2's words for it
+
+
+_GENERIC = msgspec.json.Decoder()
+_ENVELOPE = wire_compiled.struct(wire.Batch)
+
+
+def _load(body: bytes) -> tuple[Any, bool]:
+    """The post's JSON value, and whether the compiled checks may judge it: msgspec read it, and it has no NUL
+    escape (the one refusal msgspec has no constraint for). What msgspec cannot read, ``json.loads`` may (a lone
+    surrogate escape): then the reference checks word what is wrong with it."""
+    if b"\\u0000" not in body:
+        try:
+            return _GENERIC.decode(body), True
+        except (msgspec.DecodeError, RecursionError):
+            pass
+    try:
+        return json.loads(body), False
+    except (ValueError, RecursionError) as exc:  # not JSON, bad UTF-8, or an integer of too many digits
+        raise wire.MalformedJson(str(exc)) from None
+
+
+def parse_v2(body: bytes) -> dict[str, Any]:
+    """A version 2 post: its envelope through version 1's own checks (everything but the blocks is version 1's),
+    its blocks decoded and their numbers checked at once."""
+    payload, fast = _load(body)
+    if type(payload) is not dict:
+        raise wire.WireError("", f"expected an object, got {wire._describe(payload)}")
+    if payload.get("v") != BLOCK_WIRE_VERSION:
+        raise wire.WireError("v", f"unsupported wire version {payload.get('v')!r}; {SPOKEN}")
+    raw = {kind: payload.pop(kind) for kind in BLOCKED if kind in payload}
+    payload["v"] = wire.WIRE_VERSION
+    batch = None
+    if fast:
+        with contextlib.suppress(msgspec.ValidationError):
+            batch = msgspec.to_builtins(msgspec.convert(payload, _ENVELOPE))
+    if batch is None:
+        try:
+            batch = wire.validate_batch(payload)
+        except RecursionError:
+            raise wire.WireError("", "nesting too deep") from None
+    decoded = [decode_block(kind, value, fast=fast) for kind, value in raw.items()]
+    check(decoded)
+    for blk in decoded:
+        batch[blk.kind] = records(blk)
+    batch["v"] = BLOCK_WIRE_VERSION
+    return batch
