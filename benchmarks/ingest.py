@@ -46,6 +46,7 @@ from websockets.sync.client import connect
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from clusterdx import blocks  # noqa: E402
 from clusterdx.wire import WIRE_VERSION  # noqa: E402
 from collectors.agent.delivery import advised_interval  # noqa: E402
 from collectors.sim.model import SimCluster, node_name, node_place  # noqa: E402
@@ -185,7 +186,7 @@ class Plan:
     raw_bytes: int = 0
 
 
-def build(nodes: int, gpus: int, seconds: int, period_s: int, prefix: str, start: float) -> Plan:
+def build(nodes: int, gpus: int, seconds: int, period_s: int, prefix: str, start: float, wire_version: int = 1) -> Plan:
     """Every node's bodies for the run: ``period_s`` seconds of samples each, node ``n`` offset by ``n % period_s`` so
     the posts spread evenly over the seconds, each numbered after the warm-up's seq 0."""
     sim = SimCluster(parse({"cluster": {"nodes": nodes, "gpus_per_node": gpus, "seed": 3}}), start,
@@ -199,7 +200,10 @@ def build(nodes: int, gpus: int, seconds: int, period_s: int, prefix: str, start
             open_periods[n].append(batch)
             if (t + n) % period_s == period_s - 1 or t == seconds - 1:
                 for part in merge(open_periods[n]):
-                    raw = json.dumps({**part, "seq": seq[n]}, separators=(",", ":")).encode()
+                    body = {**part, "seq": seq[n]}
+                    # Version 2: the agent's own encoder (wire_version = 2 in agent.toml).
+                    raw = json.dumps(blocks.encode_batch(body) if wire_version == 2 else body,
+                                     separators=(",", ":")).encode()
                     plan.raw_bytes += len(raw)
                     plan.by_second[t].append(Post(n, len(open_periods[n]), gzip.compress(raw, 1)))
                     seq[n] += 1
@@ -387,6 +391,8 @@ def main() -> int:
     p.add_argument("--send-interval", type=float, default=0.0,
                    help="post each node at most every S seconds even if the server asks for less")
     p.add_argument("--drain", type=float, default=15.0, help="seconds after the run to finish retries")
+    p.add_argument("--wire", type=int, choices=[1, 2], default=1,
+                   help="the wire version the batches are sent in (2: column blocks, clusterdx.blocks)")
     p.add_argument("--profile", metavar="PATH",
                    help="sample the server's process tree with py-spy over the run (pip install py-spy); written "
                         "as collapsed stacks (one 'frame;frame;... count' a line) to PATH")
@@ -436,7 +442,7 @@ def main() -> int:
         # Twice the estimate: on a shared machine the build's pace varies, and an overrun makes the first posts late.
         start = math.ceil(time.time() + per_s * seconds * 2 + 10)
         print(f"==> building {args.nodes * seconds:,} node-seconds of batches (~{per_s * seconds:.0f} s)", flush=True)
-        plan = build(args.nodes, args.gpus_per_node, seconds, period, prefix, start)
+        plan = build(args.nodes, args.gpus_per_node, seconds, period, prefix, start, args.wire)
         sizes = [len(p.body) for posts in plan.by_second for p in posts]
         late = time.time() - start
         if late > 0:

@@ -76,7 +76,8 @@ def _run(cfg: Any, statuses: list[Any]) -> int:
     from collectors.agent.spool import Spool
 
     try:
-        spool = Spool(cfg.spool_path, max_batches=cfg.spool_max_batches, max_bytes=int(cfg.spool_max_mb * 2**20))
+        spool = Spool(cfg.spool_path, max_batches=cfg.spool_max_batches, max_bytes=int(cfg.spool_max_mb * 2**20),
+                      wire_version=cfg.wire_version)
     except OSError as exc:
         print(f"clusterdx agent: cannot open the spool {cfg.spool_path}: {exc}", file=sys.stderr)
         return 2

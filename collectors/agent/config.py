@@ -55,6 +55,9 @@ class AgentConfig:
     metrics_port: int = 0  # Prometheus /metrics (dcgm-exporter names); 0 = off. dcgm-exporter's own port is 9400
     metrics_addr: str = "0.0.0.0"
     log_level: str = "info"
+    # 2: the GPU, step, probe and beat records go as column blocks (clusterdx.blocks), which the server checks a
+    # matrix at a time; needs a server of this release or later. A post a block cannot carry exactly goes as 1.
+    wire_version: int = 1
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)
     # rack / switch / spine as the wire's Topology record; empty = not known, and the batches carry none.
     topology: dict[str, str] = field(default_factory=dict)
@@ -70,6 +73,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "backoff_max_s": (0.01, 86_400),
     "http_timeout_s": (0.1, 600),
     "metrics_port": (0, 65_535),
+    "wire_version": (1, 2),
 }
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _TABLES = ("sources", "topology")  # keys that hold a table, not a value

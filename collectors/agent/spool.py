@@ -31,6 +31,7 @@ import contextlib
 import errno
 import gzip
 import json
+import logging
 import os
 import resource
 import sqlite3
@@ -41,6 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from clusterdx import blocks, wire
+
+log = logging.getLogger(__name__)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS batch (seq INTEGER PRIMARY KEY, body BLOB NOT NULL, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -62,8 +66,11 @@ class Spooled:
 
 
 class Spool:
-    def __init__(self, path: str | Path, *, max_batches: int = 86_400, max_bytes: int = 512 << 20) -> None:
+    def __init__(self, path: str | Path, *, max_batches: int = 86_400, max_bytes: int = 512 << 20,
+                 wire_version: int = 1) -> None:
         self.path = Path(path)
+        self.wire_version = wire_version
+        self.as_version_1 = 0  # posts of a version 2 spool that went as version 1 (a value no block carries exactly)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_batches = max_batches
         self.max_bytes = max_bytes
@@ -225,7 +232,7 @@ class Spool:
             drops[reason] = drops.get(reason, 0) + n
         if drops:
             batch = {**batch, "dropped": _bounded(drops)}
-        body = gzip.compress(json.dumps({**batch, "seq": seq}, separators=(",", ":")).encode(), compresslevel=6)
+        body = gzip.compress(self._encode({**batch, "seq": seq}), compresslevel=6)
         self._db.execute("INSERT INTO batch (seq, body, created) VALUES (?, ?, ?)", (seq, body, time.time()))
         self._set_meta("next_seq", str(seq + 1))
         self._set_meta("drops", "{}")
@@ -233,6 +240,23 @@ class Spool:
         self._bytes += len(body)
         self._evict()
         return seq
+
+    def _encode(self, batch: dict[str, Any]) -> bytes:
+        """The batch's JSON: as blocks under wire version 2, unless a block cannot carry one of its values exactly
+        (or the blocks would not fit in a post), then as version 1, whose checks word what the server refuses."""
+        if self.wire_version == 2:
+            try:
+                text = json.dumps(blocks.encode_batch(batch), separators=(",", ":")).encode()
+                if len(text) <= wire.MAX_BATCH_BYTES:
+                    return text
+                why = f"{len(text)} bytes as blocks"
+            except blocks.Unblockable as exc:
+                why = str(exc)
+            self.as_version_1 += 1
+            if self.as_version_1 == 1 or self.as_version_1 % 1000 == 0:
+                log.warning("batch %s sent as wire version 1 (%s); %d so far", batch.get("seq"), why[:200],
+                            self.as_version_1)
+        return json.dumps(batch, separators=(",", ":")).encode()
 
     def _evict(self) -> None:
         """Drop the oldest batches beyond the bound; the count is reported in the next batch."""

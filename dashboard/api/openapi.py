@@ -9,7 +9,7 @@ from typing import Any
 
 from django.apps import apps
 
-from clusterdx import __version__, wire
+from clusterdx import __version__, blocks, wire
 from dashboard.ingest.errors import ERRORS
 from dashboard.telemetry import probe_api
 
@@ -40,7 +40,8 @@ def _ingest_path() -> dict[str, Any]:
             "security": [{"clusterToken": []}],
             "requestBody": {
                 "required": True,
-                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Batch"}}},
+                "content": {"application/json": {"schema": {"oneOf": [{"$ref": "#/components/schemas/Batch"},
+                                                                  {"$ref": "#/components/schemas/BatchV2"}]}}},
             },
             "responses": responses,
         }
@@ -57,7 +58,7 @@ def _personal_tokens_read(paths: dict[str, Any]) -> None:
 
 
 def document() -> dict[str, Any]:
-    schemas = wire.json_schema()
+    schemas = {**wire.json_schema(), **blocks.json_schema()}
     schemas["Error"] = {
         "type": "object",
         "required": ["error", "detail"],

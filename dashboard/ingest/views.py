@@ -22,7 +22,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from clusterdx import wire
 from dashboard import metrics
-from dashboard.ingest import commit
+from dashboard.ingest import blocks, commit
 from dashboard.ingest.errors import ERRORS
 from dashboard.ingest.writer import Stored
 from dashboard.telemetry import models as m
@@ -190,7 +190,8 @@ def check_body(poster: Poster, body: bytes, gzipped: bool, limit: int) -> Checke
             return _refuse("bad_encoding", f"invalid gzip body: {exc}")
     try:
         # Decoded and validated in one pass (msgspec types generated from the wire); its wide records stay records.
-        batch = wire.parse_batch(body, keep_records=True)
+        # Version 2's blocks (clusterdx.blocks) are checked a whole matrix at a time.
+        batch = blocks.parse(body)
     except wire.MalformedJson as exc:
         return _refuse("malformed_json", f"invalid JSON: {str(exc)[:200]}")
     except wire.WireError as exc:

@@ -23,13 +23,16 @@ def _fresh_ingest_caches() -> Iterator[None]:
     clear_caches()
 
 
-def test_the_agent_feeds_the_real_ingest(live_server: Any, standin: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_agent_feeds_the_real_ingest(live_server: Any, standin: Path, tmp_path: Path, version: int) -> None:
+    """Either wire version (2: the GPU samples as a block, clusterdx.blocks) stores the same things."""
     from dashboard.telemetry import tokens
     from dashboard.telemetry.models import AgentBatch, Cluster, Event, GpuSample
 
     cluster = Cluster.objects.create(name="e2e")
     _, token = tokens.create_token(cluster, "agents")
-    agent = start_agent(tmp_path, live_server.url, lib_dir=standin, scenario=SCENARIO, interval=0.2, token=token)
+    agent = start_agent(tmp_path, live_server.url, lib_dir=standin, scenario=SCENARIO, interval=0.2, token=token,
+                        toml=f"wire_version = {version}")
     try:
         wait_for(lambda: AgentBatch.objects.filter(cluster=cluster).count() >= 4
                  and Event.objects.filter(cluster=cluster, kind="xid").exists(), what="batches and the Xid stored")
@@ -44,3 +47,4 @@ def test_the_agent_feeds_the_real_ingest(live_server: Any, standin: Path, tmp_pa
     assert latest.pcie_replay_total is None and latest.unavailable["pcie_replay_total"] == "not supported"
     assert GpuSample.objects.filter(cluster=cluster, gpu_index=3).latest("ts").ecc_sbe_volatile > 10
     assert "token refused" not in agent.log() and "rejected" not in agent.log()
+    assert "sent as wire version 1" not in agent.log()

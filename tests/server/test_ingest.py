@@ -75,7 +75,8 @@ def test_it_refuses_malformed_json(client: Any, world: World) -> None:
         (lambda b: b.update(seq=True), "seq: expected an integer"),
         (lambda b: b.pop("agent_id"), "agent_id: missing required field"),
         (lambda b: b["steps"][0].pop("rank"), "steps[0].rank: missing required field"),
-        (lambda b: b.update(v=2), "unsupported wire version 2"),
+        (lambda b: b.update(v=3), "unsupported wire version 3; this server speaks 1 and 2"),
+        (lambda b: b.update(v=2), "gpus: expected a block"),  # version 2 carries its GPU samples as a block
         (lambda b: b.update(gpus={"0": {}}), "gpus: expected a list"),
         (lambda b: b["gpus"][0].update(util_gpu_pct=float("nan")), "finite"),
         (lambda b: b["gpus"][0].update(util_gpu_pct=140.0), "util_gpu_pct: must be <= 100"),

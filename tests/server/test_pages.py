@@ -11,7 +11,7 @@ import pytest
 from django.conf import settings as django_settings
 from django.utils import timezone
 
-from clusterdx import wire
+from clusterdx import blocks, wire
 from dashboard.diagnosis.models import Finding
 from dashboard.telemetry.models import Run
 from dashboard.web import context
@@ -176,3 +176,14 @@ def test_the_openapi_document_describes_the_wire_format(client: Any) -> None:
         jsonschema.validate(bad, {**schemas["Batch"], **resolver_doc})
     with pytest.raises(wire.WireError):
         wire.validate_batch(bad)
+    # Version 2 (clusterdx.blocks): the same batch as blocks fits BatchV2, and not Batch; a block's unknown column
+    # or a list of the wrong kind is refused by both.
+    v2 = json.loads(json.dumps(blocks.encode_batch(batch)))
+    jsonschema.validate(v2, {**schemas["BatchV2"], **resolver_doc})
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(v2, {**schemas["Batch"], **resolver_doc})
+    for spoil in (lambda b: b["gpus"]["num_cols"].append("nope"), lambda b: b["steps"]["cols"].update(run=[7, 8])):
+        worse = json.loads(json.dumps(v2))
+        spoil(worse)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(worse, {**schemas["BatchV2"], **resolver_doc})
