@@ -10,9 +10,11 @@ the ``slow`` variants run more examples of the same strategies.
 
 from __future__ import annotations
 
+import base64
 import gzip
 import json
 import re
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +30,7 @@ from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from clusterdx import wire
+from clusterdx import blocks, wire
 from collectors.doctor import KINDS
 from dashboard.ingest.errors import ERRORS
 from dashboard.telemetry.models import Run
@@ -219,6 +221,35 @@ def mutated_batch(draw: st.DrawFn) -> tuple[bytes, dict[str, str]]:
     return body, headers
 
 
+@st.composite
+def mutated_v2_batch(draw: st.DrawFn) -> bytes:
+    """A valid batch as wire version 2 (clusterdx.blocks) with one or two things of its blocks broken: a block's
+    key, one value of a list beside the matrix, or the matrix itself (any bytes, or any float64 numbers)."""
+    batch = blocks.encode_batch(make_batch(seq=draw(st.integers(0, 2**20)), host="node-000"))
+    for _ in range(draw(st.integers(1, 2))):
+        kind = draw(st.sampled_from(sorted(blocks.BLOCKED)))
+        block = batch[kind]
+        if not isinstance(block, dict):
+            batch[kind] = draw(HOSTILE_VALUES)
+            continue
+        how = draw(st.sampled_from(["key", "col", "numbers", "bytes", "block"]))
+        if how == "key":
+            block[draw(st.sampled_from(["n", "num", "num_cols", "cols", "extra"]))] = draw(HOSTILE_VALUES)
+        elif how == "col" and isinstance(block.get("cols"), dict) and block["cols"]:
+            values = block["cols"][draw(st.sampled_from(sorted(block["cols"])))]
+            if isinstance(values, list) and values:
+                values[draw(st.integers(0, len(values) - 1))] = draw(HOSTILE_VALUES)
+        elif how == "numbers" and isinstance(block.get("n"), int) and isinstance(block.get("num_cols"), list):
+            count = block["n"] * len(block["num_cols"])
+            nums = draw(st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=count, max_size=count))
+            block["num"] = base64.b64encode(struct.pack(f"<{count}d", *nums)).decode()
+        elif how == "bytes":
+            block["num"] = base64.b64encode(draw(st.binary(max_size=600))).decode()
+        else:
+            batch[kind] = draw(HOSTILE_VALUES)
+    return json.dumps(batch, allow_nan=True).encode("utf-8", "surrogatepass")
+
+
 def _assert_ingest_answer(response: httpx.Response) -> None:
     assert response.status_code < 500, (response.status_code, response.text[:500])
     if response.status_code != 200:
@@ -274,6 +305,25 @@ def test_ingest_refuses_broken_batches_with_a_documented_4xx(variant: str, world
 
     post()
     print(f"\nmutated batches: {answers}")
+
+
+@EXAMPLES
+def test_ingest_refuses_broken_version_2_batches_with_a_documented_4xx(variant: str, world: World,
+                                                                       http: httpx.Client, watch: StallWatch,
+                                                                       request: pytest.FixtureRequest) -> None:
+    answers: dict[int, int] = {}
+    auth = {"authorization": f"Bearer {world.token}", "content-type": "application/json"}
+
+    @_settings(_examples(request))
+    @given(mutated_v2_batch())
+    def post(body: bytes) -> None:
+        response = http.post("/api/v1/ingest", content=body, headers=auth)
+        _assert_ingest_answer(response)
+        answers[response.status_code] = answers.get(response.status_code, 0) + 1
+
+    post()
+    print(f"\nmutated version 2 batches: {answers}")
+    assert answers.get(400), "no broken block was refused: the strategy breaks nothing"
 
 
 # -- pages and APIs -----------------------------------------------------------------------------------------------
