@@ -158,6 +158,33 @@ def encode_batch(batch: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_AS = {"float": float, "int": int, "bool": bool}
+
+
+def decode_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """A version 2 batch this encoder wrote, back as version 1 (records as dicts): what an agent resends when the
+    server it reaches predates version 2. Not a check: the server's half (:mod:`dashboard.ingest.blocks`) is."""
+    out = {k: v for k, v in batch.items() if k not in BLOCKED}
+    out["v"] = wire.WIRE_VERSION
+    for kind, lay in LAYOUTS.items():
+        block = batch.get(kind)
+        if not block:
+            continue
+        names = block["num_cols"]
+        nums = array.array("d", base64.b64decode(block["num"]))
+        if sys.byteorder == "big":
+            nums.byteswap()
+        types = {c.name: _AS[c.type] for c in lay.numbers}
+        width, recs = len(names), []
+        for i in range(block["n"]):
+            row = nums[i * width:(i + 1) * width]
+            rec = {name: None if v != v else types[name](v) for name, v in zip(names, row, strict=True)}
+            rec.update({f: values[i] for f, values in block.get("cols", {}).items()})
+            recs.append(rec)
+        out[kind] = recs
+    return out
+
+
 def json_schema() -> dict[str, dict[str, Any]]:
     """JSON Schema of a version 2 batch and of each kind's block (OpenAPI ``components.schemas``), from the same
     layouts the encoder and the server's checks use. The numbers inside ``num`` are base64, beyond JSON Schema's

@@ -76,6 +76,21 @@ def test_a_simulated_clusters_posts_survive_the_trip() -> None:
     assert all(seen.values()), seen  # every kind was exercised
 
 
+def test_the_agent_can_turn_its_blocks_back_into_version_1() -> None:
+    """What an agent resends when its server predates version 2 (collectors.agent.spool.Spool.downgrade)."""
+    from collectors.sim.model import SimCluster
+    from collectors.sim.scenario import parse
+
+    start = time.time() - 60
+    sim = SimCluster(parse({"cluster": {"nodes": 2, "gpus_per_node": 8, "seed": 2}}), start)
+    for t in range(3):
+        for batch in sim.tick(start + t):
+            batch = _wire({**batch, "seq": t})
+            back = blocks.decode_batch(_wire(blocks.encode_batch(batch)))
+            assert back["v"] == wire.WIRE_VERSION
+            assert wire.validate_batch(back) == wire.validate_batch(batch)
+
+
 def _refused_by_v1(kind: str, rec: dict[str, Any]) -> bool:
     try:
         _v1(kind, _wire(rec))

@@ -139,6 +139,11 @@ def classify(status: int, payload: bytes, retry_after: str | None) -> Outcome:
     return Outcome("reject", detail, status)
 
 
+def _predates_v2(outcome: Outcome) -> bool:
+    """A server's refusal of wire version 2 itself (a release before it), not of a batch's content."""
+    return outcome.status == 400 and outcome.detail.startswith("invalid_batch: v: unsupported wire version 2;")
+
+
 def advised_interval(answer: object) -> float | None:
     """The ``send_interval_s`` a server answer asks for, capped at :data:`MAX_ADVISED_INTERVAL_S`; None when the
     answer has none or a value that is not a positive number (then the agent keeps what it had)."""
@@ -256,6 +261,11 @@ class Sender:
             return 0.0
         if outcome.kind == "renumber":
             return self._renumber(item, outcome)
+        if outcome.kind == "reject" and _predates_v2(outcome) and getattr(self.spool, "wire_version", 1) == 2:
+            n = self.spool.downgrade()
+            log.warning("the server predates wire version 2 (%s): %d spooled batch(es) rewritten as version 1, and "
+                        "version 1 sent from now on; set wire_version = 1 in agent.toml to say so", outcome.detail, n)
+            return 0.0
         if outcome.kind == "reject":
             self.spool.discard(item.seq, "server_rejected")
             self.stats.rejected += 1

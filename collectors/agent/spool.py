@@ -258,6 +258,31 @@ class Spool:
                             self.as_version_1)
         return json.dumps(batch, separators=(",", ":")).encode()
 
+    def downgrade(self) -> int:
+        """Send version 1 from now on, and rewrite every spooled version 2 batch as version 1 under its own seq (the
+        server refused them, so it holds none of them): the server this agent reaches predates version 2. Returns
+        how many were rewritten."""
+        with self._lock:
+            self.wire_version = 1
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                n = 0
+                for seq, old in self._db.execute("SELECT seq, body FROM batch").fetchall():
+                    batch = json.loads(gzip.decompress(old))
+                    if batch.get("v") != blocks.BLOCK_WIRE_VERSION:
+                        continue
+                    body = gzip.compress(json.dumps(blocks.decode_batch(batch), separators=(",", ":")).encode(),
+                                         compresslevel=6)
+                    self._db.execute("UPDATE batch SET body = ? WHERE seq = ?", (body, seq))
+                    self._bytes += len(body) - len(old)
+                    n += 1
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+            return n
+
     def _evict(self) -> None:
         """Drop the oldest batches beyond the bound; the count is reported in the next batch."""
         evicted = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,3 +49,30 @@ def test_the_agent_feeds_the_real_ingest(live_server: Any, standin: Path, tmp_pa
     assert GpuSample.objects.filter(cluster=cluster, gpu_index=3).latest("ts").ecc_sbe_volatile > 10
     assert "token refused" not in agent.log() and "rejected" not in agent.log()
     assert "sent as wire version 1" not in agent.log()
+
+
+def test_an_agent_on_version_2_falls_back_when_its_server_predates_it(live_server: Any, standin: Path,
+                                                                       tmp_path: Path, monkeypatch: Any) -> None:
+    """A server of an earlier release parses with version 1's parser alone (what it ran): it refuses the first
+    version 2 post with 400, and the agent rewrites its spool as version 1 and goes on, losing nothing."""
+    from clusterdx import wire
+    from dashboard.ingest import blocks
+    from dashboard.telemetry import tokens
+    from dashboard.telemetry.models import AgentBatch, Cluster, GpuSample
+
+    monkeypatch.setattr(blocks, "parse", lambda body: wire.parse_batch(body, keep_records=True))
+    cluster = Cluster.objects.create(name="e2e-old")
+    _, token = tokens.create_token(cluster, "agents")
+    agent = start_agent(tmp_path, live_server.url, lib_dir=standin, scenario=SCENARIO, interval=0.2, token=token,
+                        toml="wire_version = 2")
+    try:
+        wait_for(lambda: AgentBatch.objects.filter(cluster=cluster).count() >= 4, what="batches stored")
+    finally:
+        agent.stop()
+    seqs = list(AgentBatch.objects.filter(cluster=cluster).order_by("seq").values_list("seq", flat=True))
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs  # no gap: the refused batch was resent
+    gpus = GpuSample.objects.filter(cluster=cluster)
+    assert sorted(set(gpus.values_list("gpu_index", flat=True))) == list(range(8)) and gpus.count() % 8 == 0
+    rewritten = re.search(r"predates wire version 2 .*: (\d+) spooled batch\(es\) rewritten", agent.log())
+    assert rewritten and int(rewritten.group(1)) >= 1, agent.log()
+    assert "dropped, not retried" not in agent.log()
