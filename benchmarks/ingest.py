@@ -499,7 +499,7 @@ def main() -> int:
     lat = res.latencies_s
     print()
     print(f"backend={args.backend} nodes={args.nodes} gpus={args.nodes * args.gpus_per_node} workers={args.workers} "
-          f"send_interval={period}s connections={args.connections}")
+          f"send_interval={period}s connections={args.connections} wire={args.wire}")
     print(f"bodies: {len(sizes):,}, gzip mean {sum(sizes) / max(1, len(sizes)) / 1024:.1f} KiB "
           f"({plan.raw_bytes / max(1, sum(sizes)):.1f}x compressed)")
     print(f"node-seconds: offered {offered:,}, accepted {res.accepted_node_s:,} "

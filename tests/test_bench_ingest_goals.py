@@ -31,3 +31,17 @@ def test_each_goal_is_judged_by_the_run_numbers() -> None:
     assert "0.484" in missed[0] and "30.45 s" in missed[1] and "1.71 ms" in missed[3] and "632 MiB" in missed[5]
     assert _verdicts(goals(0.9991, 0.4, 1.2, 0.45, 0.8, 300))[0] == "NOT met", "0.999 of offered is not all of it"
     assert _verdicts(goals(1.0, 0.4, None, 0.45, None, 300)) == ["met", "met", "no data", "met", "no data", "met"]
+
+
+def test_the_plan_is_built_in_the_wire_version_asked_for() -> None:
+    import gzip
+    import json
+    import time
+
+    build = _bench().build
+    for version in (1, 2):
+        plan = build(2, 8, 2, 1, f"v{version}", time.time(), version)
+        bodies = [json.loads(gzip.decompress(p.body)) for posts in plan.by_second for p in posts]
+        assert bodies and {b["v"] for b in bodies} == {version}
+        gpus = [b["gpus"] for b in bodies]
+        assert all(isinstance(g, list if version == 1 else dict) for g in gpus)
