@@ -27,6 +27,9 @@ INGEST_ACCEPTED = Counter("clusterdx_ingest_accepted_batches", "Batches answered
                           ["status"])
 INGEST_REFUSED = Counter("clusterdx_ingest_refused_batches",
                          "Batches refused, by error code (busy, unavailable, invalid_batch, ...)", ["reason"])
+# Which agents speak wire version 2 yet (a rollout's progress): valid posts by version, before storage.
+INGEST_WIRE = Counter("clusterdx_ingest_posts_by_wire_version", "Valid posts, by wire version (1 records, 2 blocks)",
+                      ["version"])
 QUEUE_DEPTH = Gauge("clusterdx_ingest_queue_batches", "Batches waiting for the group commit",
                     multiprocess_mode="livesum")
 COMMIT_SECONDS = Histogram("clusterdx_ingest_commit_seconds", "Time to store and commit one group of batches",

@@ -205,6 +205,7 @@ def check_body(poster: Poster, body: bytes, gzipped: bool, limit: int) -> Checke
     skew = clock_skew(batch, time.time())
     if skew is not None:
         return _refuse("clock_skew", skew)
+    metrics.INGEST_WIRE.labels(str(batch["v"])).inc()
     # Producers resend a batch byte for byte (the agent its spooled body): the same seq with other bytes is a
     # reused seq. The body's hash costs 1/50 of validating it; a canonical re-encoding would cost half as much.
     return Checked(batch, hashlib.sha256(body).hexdigest())

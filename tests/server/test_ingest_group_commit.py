@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from clusterdx import wire
+from clusterdx import blocks, wire
 from collectors.agent.delivery import Backoff, Poster, Sender
 from collectors.agent.spool import Spool
 from dashboard.ingest import commit, views
@@ -269,10 +269,13 @@ def test_metrics_count_answers_and_are_guarded(client: Any, world: World, settin
     batch = make_batch(seq=0)
     assert [post(client, batch, world.token).status_code for _ in range(2)] == [200, 200]  # accepted, duplicate
     post(client, b"{", world.token)
+    assert post(client, blocks.encode_batch(make_batch(seq=1)), world.token).status_code == 200
     text = client.get("/metrics").content.decode()  # the test client comes from 127.0.0.1
     for line in ('clusterdx_ingest_accepted_batches_total{status="accepted"}',
                  'clusterdx_ingest_accepted_batches_total{status="duplicate"}',
-                 'clusterdx_ingest_refused_batches_total{reason="malformed_json"}'):
+                 'clusterdx_ingest_refused_batches_total{reason="malformed_json"}',
+                 'clusterdx_ingest_posts_by_wire_version_total{version="1"}',
+                 'clusterdx_ingest_posts_by_wire_version_total{version="2"}'):
         assert line in text, line
     assert client.get("/metrics", REMOTE_ADDR="10.1.2.3").status_code == 403
     settings.CLUSTERDX = {**settings.CLUSTERDX, "METRICS_TOKEN": "s3cret-scrape"}
