@@ -302,9 +302,22 @@ def _busy_nodes(w: Window, t: Thresholds) -> np.ndarray:
     return busy
 
 
-def _node_bad(w: Window, t: Thresholds, mine: np.ndarray, other: np.ndarray, bucket: np.ndarray,
-              bad: np.ndarray, bw: np.ndarray) -> dict[str, Any] | None:
-    """``mine``: positions (into the used rows) of this node's pairs; ``other``: the far end of each of them."""
+def groups_of(w: Window) -> tuple[str | None, dict[int, str]]:
+    """(what the groups are, "switch" or "rack" or None; node index -> its group): by leaf switch when any node has
+    one (the switch is what a cross-rack pair leaves through), else by rack."""
+    places = w.places
+    by = "switch" if any(s for _, s in places.values()) else "rack" if any(r for r, _ in places.values()) else None
+    if by is None:
+        return None, {}
+    index = w.node_index()
+    at = 1 if by == "switch" else 0
+    return by, {index[h]: v[at] for h, v in places.items() if h in index and v[at]}
+
+
+def _node_bad(w: Window, t: Thresholds, node: int, mine: np.ndarray, other: np.ndarray, bucket: np.ndarray,
+              bad: np.ndarray, bw: np.ndarray, crossing: Any = None) -> dict[str, Any] | None:
+    """``node``: its index; ``mine``: positions (into the used rows) of its pairs; ``other``: the far end of each;
+    ``crossing``: :func:`_uplink_alike`'s test, or None where no places are known."""
     b = bucket[mine]
     # RTT / loss: the node's pairs in its last few probe rounds.
     buckets = np.unique(b)[-t.link_buckets:]
@@ -324,9 +337,36 @@ def _node_bad(w: Window, t: Thresholds, mine: np.ndarray, other: np.ndarray, buc
     bw_buckets = np.unique(b[has_bw])[-t.link_buckets:]
     sel_bw = has_bw & np.isin(b, bw_buckets)
     if hit is None and sel_bw.sum() >= 3 and len(bw_buckets) >= 2 and bad[1][mine][sel_bw].all() and \
-            len(np.unique(other[sel_bw])) >= (2 if len(w.nodes) > 2 else 1):
+            len(np.unique(other[sel_bw])) >= (2 if len(w.nodes) > 2 else 1) and \
+            not (crossing is not None and crossing(node, other[sel_bw])):
         hit = {"what": "bw", "bad_frac": 1.0, "rows": mine[sel_bw]}
     return hit
+
+
+def _uplink_alike(w: Window, src: np.ndarray, dst: np.ndarray, bw: np.ndarray, bw_bad: np.ndarray) -> Any:
+    """A test of a node's slow transfers, or None where no leaf switch or rack is known: whether all of them went to
+    peers behind other switches while the other nodes' transfers across switches are mostly slow too. Then they say
+    as much of the uplinks as of the node (a narrow uplink makes every node's cross-rack transfers slow, and which
+    peers a node sent its few bulk transfers to is chance), and the switch rule (:mod:`paths`) decides; a narrow
+    node link leaves the others' cross transfers healthy."""
+    _, group = groups_of(w)
+    if not group:
+        return None
+    ids = {name: k for k, name in enumerate(sorted(set(group.values())))}
+    code = np.full(len(w.nodes) + 1, -1, dtype=np.int64)  # the extra slot: a far end that is not a node (-1)
+    for i, name in group.items():
+        code[i] = ids[name]
+    gs, gd = code[src.astype(np.int64)], code[dst.astype(np.int64)]
+    cross = (~np.isnan(bw)) & (gs >= 0) & (gd >= 0) & (gs != gd)
+
+    def test(node: int, peers: np.ndarray) -> bool:
+        mine = group.get(node)
+        if mine is None or not all(group.get(int(p)) not in (None, mine) for p in peers):
+            return False
+        others = cross & (src != node) & (dst != node)
+        return bool(others.any() and bw_bad[others].mean() >= 0.5)
+
+    return test
 
 
 def _flag_nodes(w: Window, t: Thresholds, rows: np.ndarray, bad: np.ndarray, skip: set[int]) -> dict[int, Any]:
@@ -346,9 +386,10 @@ def _flag_nodes(w: Window, t: Thresholds, rows: np.ndarray, bad: np.ndarray, ski
     some_bad[[n for n in skip if 0 <= n < len(some_bad)]] = False
     sel = np.nonzero(known & some_bad[node])[0]
     flagged = {}
+    crossing = _uplink_alike(w, src, dst, p["bw_gbps"][rows], bad[1]) if len(sel) else None
     for n, part in groups(ends[sel]).items():
         idx = sel[part]
-        hit = _node_bad(w, t, at[idx], far[idx], bucket, bad, p["bw_gbps"][rows])
+        hit = _node_bad(w, t, int(n), at[idx], far[idx], bucket, bad, p["bw_gbps"][rows], crossing)
         if hit:
             flagged[int(n)] = hit
     return flagged

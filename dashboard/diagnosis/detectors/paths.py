@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from dashboard.diagnosis.detectors.base import Detection, Thresholds, rnd
-from dashboard.diagnosis.detectors.network import contended, report_intervals, sharing
+from dashboard.diagnosis.detectors.network import contended, groups_of, report_intervals, sharing
 from dashboard.diagnosis.detectors.window import Window
 
 
@@ -118,18 +118,6 @@ def _busy(w: Window, t: Thresholds) -> np.ndarray:
         cpu = (w.hosts.get(host) or {}).get("cpu_pct")
         busy[i] = cpu is not None and cpu >= t.busy_cpu_pct
     return busy
-
-
-def groups_of(w: Window) -> tuple[str | None, dict[int, str]]:
-    """(what the groups are, "switch" or "rack" or None; node index -> its group): by leaf switch when any node has
-    one (the switch is what a cross-rack pair leaves through), else by rack."""
-    places = w.places
-    by = "switch" if any(s for _, s in places.values()) else "rack" if any(r for r, _ in places.values()) else None
-    if by is None:
-        return None, {}
-    index = w.node_index()
-    at = 1 if by == "switch" else 0
-    return by, {index[h]: v[at] for h, v in places.items() if h in index and v[at]}
 
 
 def slow_paths(w: Window, t: Thresholds, down: set[str]) -> list[Detection]:
