@@ -159,6 +159,18 @@ def encode_batch(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 _AS = {"float": float, "int": int, "bool": bool}
+# Per kind, each field in declaration order (as version 1's dicts have them): its matrix column and the conversion
+# back from a float, or (None, None) for a field of ``cols``.
+_ORDER = {kind: [(f, *next(((i, _AS[c.type]) for i, c in enumerate(lay.numbers) if c.name == f), (None, None)))
+                 for f in wire._fields(lay.record)] for kind, lay in LAYOUTS.items()}
+
+
+def records(kind: str, rows: list[list[float]], cols: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """Version 1's records of a block: ``rows`` in the layout's column order (NaN for null), ``cols`` each other
+    field's values (a field absent from it is None). Fields in declaration order, as ``wire.validate`` gives them."""
+    order = _ORDER[kind]
+    return [{f: (cols[f][i] if f in cols else None) if at is None else None if row[at] != row[at] else as_(row[at])
+             for f, at, as_ in order} for i, row in enumerate(rows)]
 
 
 def decode_batch(batch: dict[str, Any]) -> dict[str, Any]:
@@ -170,18 +182,14 @@ def decode_batch(batch: dict[str, Any]) -> dict[str, Any]:
         block = batch.get(kind)
         if not block:
             continue
-        names = block["num_cols"]
         nums = array.array("d", base64.b64decode(block["num"]))
         if sys.byteorder == "big":
             nums.byteswap()
-        types = {c.name: _AS[c.type] for c in lay.numbers}
-        width, recs = len(names), []
-        for i in range(block["n"]):
-            row = nums[i * width:(i + 1) * width]
-            rec = {name: None if v != v else types[name](v) for name, v in zip(names, row, strict=True)}
-            rec.update({f: values[i] for f, values in block.get("cols", {}).items()})
-            recs.append(rec)
-        out[kind] = recs
+        # Into the layout's column order (this encoder writes it so; a column left out is null).
+        at = {name: j for j, name in enumerate(block["num_cols"])}
+        width, where = len(at), [at.get(c.name) for c in lay.numbers]
+        rows = [[math.nan if j is None else nums[i * width + j] for j in where] for i in range(block["n"])]
+        out[kind] = records(kind, rows, block.get("cols", {}))
     return out
 
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from clusterdx import wire, wire_compiled
 from clusterdx.blocks import BLOCK_WIRE_VERSION, BLOCKED, LAYOUTS, Column, Layout
+from clusterdx.blocks import records as _records
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,25 +64,21 @@ _OTHER_TYPES = {kind: {f: list[wire_compiled._type(wire._fields(lay.record)[f][0
 _KEYS = {"n", "num_cols", "num", "cols"}
 
 
-def _fail(path: str, message: str) -> wire.WireError:
-    return wire.WireError(path, message)
-
-
 def _num_cols(kind: str, raw: Any, path: str) -> list[int]:
     """Where each of the post's matrix columns goes in the layout's."""
     if type(raw) is not list or any(type(c) is not str for c in raw):
-        raise _fail(path, "expected a list of column names")
+        raise wire.WireError(path, "expected a list of column names")
     lay, idx = LAYOUTS[kind], _BOUNDS[kind].index
     out = []
     for i, name in enumerate(raw):
         if name not in idx:
-            raise _fail(f"{path}[{i}]", f"unknown column (a {lay.record.__name__} has no numeric field {name[:64]!r})")
+            raise wire.WireError(f"{path}[{i}]", f"unknown column (a {lay.record.__name__} has no numeric field {name[:64]!r})")
         out.append(idx[name])
     if len(set(out)) != len(out):
-        raise _fail(path, "a column is named twice")
+        raise wire.WireError(path, "a column is named twice")
     missing = [c.name for c in lay.numbers if c.required and idx[c.name] not in out]
     if missing:
-        raise _fail(path, f"missing required column {missing[0]!r}")
+        raise wire.WireError(path, f"missing required column {missing[0]!r}")
     return out
 
 
@@ -91,29 +88,29 @@ def decode_block(kind: str, raw: Any, path: str | None = None, fast: bool = Fals
     path = kind if path is None else path
     lay = LAYOUTS[kind]
     if type(raw) is not dict:
-        raise _fail(path, "expected a block: an object with n, num_cols, num and cols")
+        raise wire.WireError(path, "expected a block: an object with n, num_cols, num and cols")
     unknown = raw.keys() - _KEYS
     if unknown:
-        raise _fail(f"{path}.{sorted(unknown)[0][:64]}", "unknown field (a block has n, num_cols, num and cols)")
+        raise wire.WireError(f"{path}.{sorted(unknown)[0][:64]}", "unknown field (a block has n, num_cols, num and cols)")
     for key in ("n", "num_cols", "num"):
         if key not in raw:
-            raise _fail(f"{path}.{key}", "missing required field")
+            raise wire.WireError(f"{path}.{key}", "missing required field")
     n = raw["n"]
     if type(n) is not int or not 0 <= n <= lay.max_rows:
-        raise _fail(f"{path}.n", f"must be a whole number from 0 to {lay.max_rows}, got {wire._describe(n)}")
+        raise wire.WireError(f"{path}.n", f"must be a whole number from 0 to {lay.max_rows}, got {wire._describe(n)}")
     where = _num_cols(kind, raw["num_cols"], f"{path}.num_cols")
     if type(raw["num"]) is not str:
-        raise _fail(f"{path}.num", f"expected base64 text, got {wire._describe(raw['num'])}")
+        raise wire.WireError(f"{path}.num", f"expected base64 text, got {wire._describe(raw['num'])}")
     want = 8 * n * len(where)
     # 4 base64 characters per 3 bytes: a longer text cannot be the matrix, and is not decoded to find out.
     if len(raw["num"]) > 4 * math.ceil(want / 3):
-        raise _fail(f"{path}.num", f"longer than {n} rows x {len(where)} columns of float64")
+        raise wire.WireError(f"{path}.num", f"longer than {n} rows x {len(where)} columns of float64")
     try:
         data = base64.b64decode(raw["num"], validate=True)
     except (binascii.Error, ValueError):
-        raise _fail(f"{path}.num", "not base64") from None
+        raise wire.WireError(f"{path}.num", "not base64") from None
     if len(data) != want:
-        raise _fail(f"{path}.num", f"holds {len(data)} bytes; {n} rows x {len(where)} columns x 8 are {want}")
+        raise wire.WireError(f"{path}.num", f"holds {len(data)} bytes; {n} rows x {len(where)} columns x 8 are {want}")
     got = np.frombuffer(data, dtype="<f8").reshape(n, len(where))
     if len(where) == len(lay.numbers) and where == list(range(len(where))):
         mat = got.astype(np.float64, copy=False)
@@ -125,22 +122,22 @@ def decode_block(kind: str, raw: Any, path: str | None = None, fast: bool = Fals
 
 def _cols(kind: str, lay: Layout, raw: Any, n: int, path: str, fast: bool) -> dict[str, list[Any]]:
     if type(raw) is not dict:
-        raise _fail(path, f"expected an object, got {wire._describe(raw)}")
+        raise wire.WireError(path, f"expected an object, got {wire._describe(raw)}")
     checks = _OTHER_CHECKS[kind]
     unknown = raw.keys() - checks.keys()
     if unknown:
         name = sorted(unknown)[0][:64]
-        raise _fail(f"{path}.{name}", f"unknown field (a {lay.record.__name__} has no such field)")
+        raise wire.WireError(f"{path}.{name}", f"unknown field (a {lay.record.__name__} has no such field)")
     out: dict[str, list[Any]] = {}
     for f in lay.others:
         if f not in raw:
             if f in lay.required_others and n:
-                raise _fail(f"{path}.{f}", "missing required field")
+                raise wire.WireError(f"{path}.{f}", "missing required field")
             out[f] = [lay.defaults.get(f)] * n
             continue
         values = raw[f]
         if type(values) is not list or len(values) != n:
-            raise _fail(f"{path}.{f}", f"expected a list of {n} values, got {wire._describe(values)}")
+            raise wire.WireError(f"{path}.{f}", f"expected a list of {n} values, got {wire._describe(values)}")
         if fast:
             try:
                 out[f] = msgspec.to_builtins(msgspec.convert(values, _OTHER_TYPES[kind][f]))
@@ -152,7 +149,7 @@ def _cols(kind: str, lay: Layout, raw: Any, n: int, path: str, fast: bool) -> di
         check, seen, kept = checks[f], {}, []
         for i, v in enumerate(values):
             if v is None and f in lay.required_others:
-                raise _fail(f"{path}.{f}[{i}]", "missing required field")
+                raise wire.WireError(f"{path}.{f}[{i}]", "missing required field")
             if isinstance(v, str):
                 if v not in seen:
                     seen[v] = check(v, f"{path}.{f}[{i}]")
@@ -206,25 +203,13 @@ def check(blocks: list[Block]) -> None:
         row, col, why = bad
         for b in group:  # which block the row is in
             if row < len(b.mat):
-                raise _fail(f"{kind}[{row}].{LAYOUTS[kind].numbers[col].name}", why)
+                raise wire.WireError(f"{kind}[{row}].{LAYOUTS[kind].numbers[col].name}", why)
             row -= len(b.mat)
-
-
-_AS = {"float": float, "int": int, "bool": bool}
-# Per kind, each field in declaration order (as version 1's dicts have them): a matrix column's index and its
-# conversion, or None for a field of ``cols``.
-_ORDER = {kind: [(f, *next(((i, _AS[c.type]) for i, c in enumerate(lay.numbers) if c.name == f), (None, None)))
-                 for f in wire._fields(lay.record)] for kind, lay in LAYOUTS.items()}
 
 
 def records(block: Block) -> list[dict[str, Any]]:
     """The block's records as version 1's dicts (fields in declaration order, None where null)."""
-    order, cols = _ORDER[block.kind], block.cols
-    out = []
-    for i, row in enumerate(block.mat.tolist()):
-        out.append({f: (cols[f][i] if at is None else None if row[at] != row[at] else as_(row[at]))
-                    for f, at, as_ in order})
-    return out
+    return _records(block.kind, block.mat.tolist(), block.cols)
 
 
 # Where a producer writes the version first (the agent does), one look at the body's start tells a version 2 post.

@@ -47,23 +47,20 @@ def _with(qs: QuerySet[Any], fields: list[str]) -> QuerySet[Any]:
     return qs
 
 
-def _series(qs: QuerySet[Any], tr: TimeRange, fields: list[str], keep: dict[str, tuple[str, ...]] | None = None
-            ) -> dict[str, Any] | None:
-    return downsample(_with(qs, fields), tr, fields, keep=keep).get("")
+def _series(qs: QuerySet[Any], tr: TimeRange, fields: list[str]) -> dict[str, Any] | None:
+    return downsample(_with(qs, fields), tr, fields).get("")
 
 
-def from_node(node_id: int, tr: TimeRange, fields: list[str], peer: str | None = None,
-              keep: dict[str, tuple[str, ...]] | None = None) -> dict[str, Any] | None:
+def from_node(node_id: int, tr: TimeRange, fields: list[str], peer: str | None = None) -> dict[str, Any] | None:
     """Min / mean / max per bucket of ``tr`` over the probes the node sent (to ``peer`` alone when given), all peers
     together: ``downsample``'s series, or None when there is none in the range."""
     where: dict[str, Any] = {"node_id": node_id} if peer is None else {"node_id": node_id, "peer": peer}
-    return _series(Probe.objects.filter(**where), tr, fields, keep)
+    return _series(Probe.objects.filter(**where), tr, fields)
 
 
-def to_node(cluster_id: int, host: str, tr: TimeRange, fields: list[str],
-            keep: dict[str, tuple[str, ...]] | None = None) -> dict[str, Any] | None:
+def to_node(cluster_id: int, host: str, tr: TimeRange, fields: list[str]) -> dict[str, Any] | None:
     """As :func:`from_node`, over the probes the cluster's agents sent to ``host``."""
-    return _series(Probe.objects.filter(cluster_id=cluster_id, peer=host), tr, fields, keep)
+    return _series(Probe.objects.filter(cluster_id=cluster_id, peer=host), tr, fields)
 
 
 def from_node_by_peer(node_id: int, tr: TimeRange, fields: list[str]) -> dict[str, dict[str, Any]]:
