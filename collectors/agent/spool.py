@@ -37,7 +37,7 @@ import resource
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -264,9 +264,8 @@ class Spool:
         how many were rewritten."""
         with self._lock:
             self.wire_version = 1
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                n = 0
+            n = grown = 0
+            with self._transaction():
                 for seq, old in self._db.execute("SELECT seq, body FROM batch").fetchall():
                     batch = json.loads(gzip.decompress(old))
                     if batch.get("v") != blocks.BLOCK_WIRE_VERSION:
@@ -274,14 +273,23 @@ class Spool:
                     body = gzip.compress(json.dumps(blocks.decode_batch(batch), separators=(",", ":")).encode(),
                                          compresslevel=6)
                     self._db.execute("UPDATE batch SET body = ? WHERE seq = ?", (body, seq))
-                    self._bytes += len(body) - len(old)
+                    grown += len(body) - len(old)
                     n += 1
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise
+            self._bytes += grown
             return n
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One write transaction (the caller holds the lock): committed when the block ends, rolled back if it
+        raises."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
 
     def _evict(self) -> None:
         """Drop the oldest batches beyond the bound; the count is reported in the next batch."""
@@ -320,18 +328,12 @@ class Spool:
         drops it carried: those were reported only in a batch the server did not store, so the next batch reports
         them again. One transaction: a crash can neither keep the batch nor lose the count."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction():
                 row = self._db.execute("DELETE FROM batch WHERE seq = ? RETURNING body", (seq,)).fetchone()
                 if row:
                     more = _carried_drops(row[0])
                     more[reason] = more.get(reason, 0) + 1
                     self._add_drops(more)
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise
             if row:
                 self._count -= 1
                 self._bytes -= len(row[0])
@@ -344,16 +346,8 @@ class Spool:
         The new number lies ``RENUMBER_SKIP`` past the reused one, so past every number the lost counter can have
         handed out after it, and the counter continues from there. Batches numbered in the same lost stretch follow
         one after the other (``max`` with the counter) instead of each jumping again."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                new = self._renumber(seq)
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise
-            return new
+        with self._lock, self._transaction():
+            return self._renumber(seq)
 
     def _renumber(self, seq: int) -> int | None:
         row = self._db.execute("SELECT body FROM batch WHERE seq = ?", (seq,)).fetchone()

@@ -8,6 +8,7 @@ pairs share no node, the link between two nodes is named.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -302,6 +303,9 @@ def _busy_nodes(w: Window, t: Thresholds) -> np.ndarray:
     return busy
 
 
+Crossing = Callable[[int, np.ndarray], bool]  # (node, the peers of its slow transfers) -> the uplink's pattern
+
+
 def groups_of(w: Window) -> tuple[str | None, dict[int, str]]:
     """(what the groups are, "switch" or "rack" or None; node index -> its group): by leaf switch when any node has
     one (the switch is what a cross-rack pair leaves through), else by rack."""
@@ -315,7 +319,7 @@ def groups_of(w: Window) -> tuple[str | None, dict[int, str]]:
 
 
 def _node_bad(w: Window, t: Thresholds, node: int, mine: np.ndarray, other: np.ndarray, bucket: np.ndarray,
-              bad: np.ndarray, bw: np.ndarray, crossing: Any = None) -> dict[str, Any] | None:
+              bad: np.ndarray, bw: np.ndarray, crossing: Crossing | None = None) -> dict[str, Any] | None:
     """``node``: its index; ``mine``: positions (into the used rows) of its pairs; ``other``: the far end of each;
     ``crossing``: :func:`_uplink_alike`'s test, or None where no places are known."""
     b = bucket[mine]
@@ -343,7 +347,8 @@ def _node_bad(w: Window, t: Thresholds, node: int, mine: np.ndarray, other: np.n
     return hit
 
 
-def _uplink_alike(w: Window, src: np.ndarray, dst: np.ndarray, bw: np.ndarray, bw_bad: np.ndarray) -> Any:
+def _uplink_alike(w: Window, src: np.ndarray, dst: np.ndarray, bw: np.ndarray, bw_bad: np.ndarray
+                  ) -> Crossing | None:
     """A test of a node's slow transfers, or None where no leaf switch or rack is known: whether all of them went to
     peers behind other switches while the other nodes' transfers across switches are mostly slow too. Then they say
     as much of the uplinks as of the node (a narrow uplink makes every node's cross-rack transfers slow, and which
