@@ -239,7 +239,8 @@ def mutated_v2_batch(draw: st.DrawFn) -> bytes:
             values = block["cols"][draw(st.sampled_from(sorted(block["cols"])))]
             if isinstance(values, list) and values:
                 values[draw(st.integers(0, len(values) - 1))] = draw(HOSTILE_VALUES)
-        elif how == "numbers" and isinstance(block.get("n"), int) and isinstance(block.get("num_cols"), list):
+        elif how == "numbers" and type(block.get("n")) is int and 0 <= block["n"] <= 64 \
+                and isinstance(block.get("num_cols"), list) and len(block["num_cols"]) <= 64:
             count = block["n"] * len(block["num_cols"])
             nums = draw(st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=count, max_size=count))
             block["num"] = base64.b64encode(struct.pack(f"<{count}d", *nums)).decode()
