@@ -68,7 +68,8 @@ def record_run(run: Run, now: float) -> int:
     folded = set(fold(g, [(r["step"], r["end"], r["step_time_s"]) for r in rows], ckpts))
     meta = run.meta or {}
     gpus = run.world_size or Rank.objects.filter(run=run).count() or None
-    new = [r for r in rows if r["step"] in folded]
+    # A step a later row of the same chunk undid (a restart below it) lost its work: it is no productive step.
+    new = [r for r in rows if r["step"] in folded and r["step"] in g.done]
     # step_time_s keeps the productive part (capped at the stall line), as a replay of the step loses it
     steps = [StepEfficiency(run=run, step=r["step"], ts=_dt(r["end"]), step_time_s=g.done[r["step"]][1], tokens=r["tokens"],
                             mfu=_mfu(r["tokens"], r["step_time_s"], meta, gpus)) for r in new]
