@@ -9,7 +9,10 @@ must reach this process's channel layer) stays in the server. SQLite in WAL mode
 writes. The ranks' beats live in this process's memory, so they are handed to the child with each pass.
 
 After each pass the child also computes the cluster overview (given this process's live GPU rows), which the
-overview page renders itself with while it is fresh (:func:`dashboard.web.pages.overview.first_paint`).
+overview page renders itself with while it is fresh (:func:`dashboard.web.pages.overview.first_paint`), for a
+cluster whose overview page was opened within ``OVERVIEW_WANTED_S``: at 1,024 nodes with no page open, computing it
+anyway was a third of the pass process's CPU (docs/scaling.md). The first opening after a quiet spell computes its
+own, as a page whose precomputed copy is stale does.
 
 A child that dies (killed, out of memory) is replaced at the next pass; that pass's clusters are logged and skipped.
 """
@@ -34,6 +37,8 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _pool: ProcessPoolExecutor | None = None
 _overviews: dict[int, tuple[float, dict[str, Any], list[Any]]] = {}  # cluster -> (computed at, overview, freshness)
+_wanted: dict[int, float] = {}  # cluster -> when its overview page was last opened (time.time())
+OVERVIEW_WANTED_S = 30 * 60.0  # an on-call's shift glancing back at the page; past it the first paint computes its own
 
 
 def _child_init(db_name: str) -> None:
@@ -81,7 +86,9 @@ def _child_overview(cluster_id: int, now: float, gpus: list[list[Any]],
 
 def precomputed_overview(cluster_id: int, max_age_s: float) -> tuple[dict[str, Any], list[Any]] | None:
     """The overview the pass process computed after the cluster's last pass, and its freshness, while younger than
-    ``max_age_s``; None otherwise (or in production, where no server process runs the pass)."""
+    ``max_age_s``; None otherwise (or in production, where no server process runs the pass). Asking marks the
+    cluster's overview as wanted, so the passes of the next ``OVERVIEW_WANTED_S`` precompute it."""
+    _wanted[cluster_id] = time.time()
     got = _overviews.get(cluster_id)
     return (got[1], got[2]) if got is not None and time.time() - got[0] <= max_age_s else None
 
@@ -159,6 +166,9 @@ async def diagnose() -> dict[str, float]:
             paced(cluster.id, time.perf_counter() - t0)
         took[cluster.name] = round(time.perf_counter() - t0, 4)
         metrics.DIAGNOSIS_SECONDS.observe(took[cluster.name])
+        if time.time() - _wanted.get(cluster.id, -OVERVIEW_WANTED_S) > OVERVIEW_WANTED_S:
+            _overviews.pop(cluster.id, None)  # no one looks: nothing to keep fresh
+            continue
         try:  # the overview page's first paint, computed off the server's GIL and database thread
             await _precompute_overview(loop, executor, cluster.id)
         except Exception:  # the page computes its own

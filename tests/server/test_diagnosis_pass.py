@@ -179,8 +179,15 @@ def test_the_embedded_pass_reads_in_its_own_process_and_survives_its_death(world
     feed.sim = SimCluster(feed.sim.s, feed.t0)
     feed.run(7, passes=False)
     try:
+        offload._wanted.pop(world.cluster.id, None)
         assert asyncio.run(offload.diagnose()).keys() == {world.cluster.name}
         assert Finding.objects.filter(kind="nccl_config", subject="llm/rank5", state="open").exists()
+        assert offload.precomputed_overview(world.cluster.id, 600) is None, "no page open: no overview computed"
+        offload._wanted[world.cluster.id] = time.time() - offload.OVERVIEW_WANTED_S - 1
+        asyncio.run(offload.diagnose())
+        assert world.cluster.id not in offload._overviews, "opened too long ago: not computed either"
+        first_paint(world.cluster)  # the page opened (it computes its own this once) ...
+        assert asyncio.run(offload.diagnose()).keys() == {world.cluster.name}
         # ... and then the overview, which the page renders itself with: what the page would compute at that moment.
         got = offload.precomputed_overview(world.cluster.id, 600)
         assert got is not None
