@@ -226,8 +226,10 @@ CLUSTERDX = {
     # Where the group writer runs (dashboard/ingest/commit.py): "thread" (in the web process) or "process" (a child
     # process that checks and stores the bodies: the embedded server's one process then uses two cores).
     "INGEST_WRITER": env_choice("CLUSTERDX_INGEST_WRITER", "thread", ("thread", "process")),
-    # Nodes per second one cluster may post: beyond it the server asks agents for a longer send_interval_s.
-    "INGEST_NODES_PER_S": env_int("CLUSTERDX_INGEST_NODES_PER_S", 2048, min=1),
+    # Nodes per second one cluster may post: beyond it the server asks agents for a longer send_interval_s. 1,024:
+    # a post costs about as much as a node-second of records (docs/scaling.md, "The send interval's default"), so
+    # past 1,024 nodes two seconds a post buy a fifth of the server's CPU for a second of freshness.
+    "INGEST_NODES_PER_S": env_int("CLUSTERDX_INGEST_NODES_PER_S", 1024, min=1),
     # GET /metrics (Prometheus): a scraper sends this as a bearer token; unset, only loopback and staff may read.
     "METRICS_TOKEN": env_str("CLUSTERDX_METRICS_TOKEN"),
     # Request bodies: refused with 413 from Content-Length, or cut off while streaming, before Django reads them.
