@@ -24,7 +24,7 @@ from clusterdx import wire
 from dashboard import metrics
 from dashboard.ingest import blocks, commit
 from dashboard.ingest.errors import ERRORS
-from dashboard.ingest.writer import Stored
+from dashboard.ingest.writer import NODE_CREATED, Stored
 from dashboard.telemetry import models as m
 from dashboard.telemetry import tokens
 from dashboard.telemetry.models import IngestToken
@@ -222,9 +222,9 @@ def ready_in_loop(token: IngestToken) -> tuple[IngestToken, float] | None:
     now = time.monotonic()
     if now - _mark_looked.get((token.id, token.prefix), -math.inf) >= tokens.MARK_USED_EVERY_S:
         return None
-    seen = _nodes.get(token.cluster_id)
-    if seen is None or now - seen[0] >= NODE_COUNT_EVERY_S:
+    if _stale(token.cluster_id, now):
         return None
+    seen = _nodes[token.cluster_id]
     return token, _interval(seen[1])
 
 
@@ -299,12 +299,19 @@ NODE_COUNT_EVERY_S = 30.0
 def send_interval(cluster_id: int) -> float:
     """The least seconds between one agent's posts this server asks for: 1 s until the cluster has more nodes than
     CLUSTERDX_INGEST_NODES_PER_S, then as many seconds as it takes to keep within that budget (agents keep sampling
-    at their own interval and send several samples per batch). The node count is re-read every 30 s."""
+    at their own interval and send several samples per batch). The node count is re-read every 30 s, and after this
+    server created a node of the cluster."""
     now = time.monotonic()
+    if _stale(cluster_id, now):
+        _nodes[cluster_id] = (now, m.Node.objects.filter(cluster_id=cluster_id).count())
+    return _interval(_nodes[cluster_id][1])
+
+
+def _stale(cluster_id: int, now: float) -> bool:
+    """Whether the cluster's node count is due: never counted, counted NODE_COUNT_EVERY_S ago, or before this server
+    last created one of its nodes."""
     seen = _nodes.get(cluster_id)
-    if seen is None or now - seen[0] >= NODE_COUNT_EVERY_S:
-        seen = _nodes[cluster_id] = (now, m.Node.objects.filter(cluster_id=cluster_id).count())
-    return _interval(seen[1])
+    return seen is None or now - seen[0] >= NODE_COUNT_EVERY_S or seen[0] < NODE_CREATED.get(cluster_id, -math.inf)
 
 
 def _interval(nodes: int) -> float:

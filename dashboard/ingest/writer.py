@@ -71,6 +71,13 @@ def _dt(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, tz=UTC)
 
 
+# cluster id -> when (time.monotonic()) a node of it was last created here: the send interval's node count
+# (views.send_interval) is counted again after it rather than waiting out its 30 s, or a fleet that registers in
+# its first seconds would be told the interval of its first few nodes for half a minute. Only this process's own
+# creations count: another web worker's, or those of a writer in a process of its own, wait out the 30 s as before.
+NODE_CREATED: dict[int, float] = {}
+
+
 class _Inventory:
     """Per-process cache of ids for nodes, GPUs and runs: the hot path does no lookups for things it has seen.
 
@@ -106,9 +113,12 @@ class _Inventory:
         if node_id is None and memo is not None:
             node_id = memo.get(key)
         if node_id is None:
-            node, _ = m.Node.objects.get_or_create(cluster=cluster, hostname=host, defaults={"agent_id": agent_id})
+            node, created = m.Node.objects.get_or_create(cluster=cluster, hostname=host,
+                                                         defaults={"agent_id": agent_id})
             node_id = node.id
             self.after_commit(self.nodes, key, node_id)
+            if created:
+                transaction.on_commit(lambda: NODE_CREATED.__setitem__(cluster.id, time.monotonic()))
             if memo is not None:
                 memo[key] = node_id
         return node_id

@@ -76,14 +76,15 @@ def test_a_cached_token_is_checked_in_the_event_loop_without_a_query(asgi_server
                           headers={"Authorization": f"Bearer {world.token}"}, timeout=10)
 
     assert post(1).status_code == 200  # in a thread: the token is looked up and marked used, the nodes counted
+    assert post(2).status_code == 200  # in a thread again: post 1 created its node, so the nodes are counted again
 
     def counted_in_the_loop(cluster_id: int) -> float:
         raise AssertionError("the send interval was asked for in the event loop")
 
     monkeypatch.setattr(views, "send_interval", counted_in_the_loop)
-    r = post(2)
+    r = post(3)
     assert r.status_code == 200 and r.json()["send_interval_s"] == 1.0
-    assert m.AgentBatch.objects.count() == 2
+    assert m.AgentBatch.objects.count() == 3
 
 
 def test_a_post_checked_in_the_event_loop_makes_no_database_wrapper(asgi_server: AsgiServer, world: World,

@@ -195,6 +195,22 @@ def test_the_send_interval_follows_the_node_budget(client: Any, world: World, se
     assert r.status_code == 200 and r.json()["send_interval_s"] == 3.0  # 5 nodes, 2 per second
 
 
+def test_a_node_the_server_creates_is_counted_in_the_next_send_interval(
+        client: Any, world: World, settings: Any, django_capture_on_commit_callbacks: Any) -> None:
+    """A fleet registering in its first seconds is told its own size's interval at once, not its first nodes' for
+    the 30 s the count is kept: a node this server creates makes the count due again."""
+    settings.CLUSTERDX = {**settings.CLUSTERDX, "INGEST_NODES_PER_S": 2}
+    views._nodes.clear()
+    answers = []
+    for i in range(5):
+        with django_capture_on_commit_callbacks(execute=True):  # the test's transaction never commits
+            answers.append(post(client, make_batch(seq=0, host=f"node-{i:03d}"), world.token).json())
+    # Each answer is sized before its own batch is stored: 0, 1, 2, 3, 4 nodes known, 2 a second.
+    assert [a["send_interval_s"] for a in answers] == [1.0, 1.0, 1.0, 2.0, 2.0]
+    again = post(client, make_batch(seq=1, host="node-000"), world.token).json()
+    assert again["send_interval_s"] == 3.0
+
+
 # -- backpressure: a tiny queue, a paused writer, the real agent -------------------------------------------------
 @pytest.fixture
 def paused(tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
