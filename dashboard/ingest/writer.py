@@ -24,6 +24,7 @@ from django.db.models import Q
 from clusterdx import wire
 from dashboard.ingest.statements import statement_sizes
 from dashboard.live.publish import publish_batches, publisher
+from dashboard.storage import frames
 from dashboard.telemetry import models as m
 from dashboard.telemetry.tasks import purged_among, purged_through
 
@@ -675,13 +676,19 @@ EVENT_COLS = ["cluster", "node", "run", "ts", *EVENT_FIELDS]
 PROBE_COLS = ["cluster", "node", "ts", *PROBE_FIELDS]
 
 
+# The frame tables (dashboard.storage.frames): a post's GPU samples, steps and probes, a row per frame.
+GPU_FRAME_COLS = ["cluster", "node", "ts", "n", "layout", "data"]
+STEP_FRAME_COLS = ["cluster", "run", "node", "ts", "rank_group", "step_lo", "step_hi", "n", "layout", "data"]
+PROBE_FRAME_COLS = ["cluster", "node", "ts", "n", "layout", "data", "peers"]
+
 RANK_COLS = ["run", "rank", "node", "local_rank", "gpu_index", "meta", "updated_at"]
 # A group's changed ranks are looked up by number up to this many (one bound value each); more read the runs' ranks.
 RANKS_BY_NUMBER = 2000
 GPU_INVENTORY_COLS = ["node", "index", "uuid", "name", "pci_bus_id"]
 SERIES: list[tuple[type[models.Model], list[str]]] = [
     (m.GpuSample, GPU_COLS), (m.HostSample, HOST_COLS), (m.PortSample, PORT_COLS), (m.StepSample, STEP_COLS),
-    (m.Event, EVENT_COLS), (m.Probe, PROBE_COLS)]
+    (m.Event, EVENT_COLS), (m.Probe, PROBE_COLS), (m.GpuFrame, GPU_FRAME_COLS), (m.StepFrame, STEP_FRAME_COLS),
+    (m.ProbeFrame, PROBE_FRAME_COLS)]
 Rows = dict[type[models.Model], list[list[Any]]]  # model -> rows (in its column order) still to insert
 
 
@@ -732,6 +739,36 @@ def _collect_series(rows: Rows, cluster: m.Cluster, node_id: int, batch: dict[st
     add(m.StepSample, _STEP, batch["steps"], 3, run=True)
     add(m.Event, _EVENT, batch["events"], 3, run=True)
     add(m.Probe, _PROBE, batch["probes"], 2)
+    for kind in frames.KINDS.values():
+        if batch[kind.name]:
+            _add_frames(rows, kind, c, n, batch[kind.name], runs, times)
+
+
+# Each framed kind's numeric fields (today's layout) and object fields, read from records of either kind.
+_FRAME_NUMS = {k.name: wire.Fields(*k.numbers) for k in frames.KINDS.values()}
+_FRAME_OBJS = {k.name: [(f, wire.Fields(f)) for f in k.objects] for k in frames.KINDS.values()}
+
+
+def _add_frames(rows: Rows, kind: frames.Kind, cluster_id: int, node_id: int, records: list[Any],
+                runs: dict[str, int], times: dict[float, datetime]) -> None:
+    """The frames of one batch's records of ``kind`` into ``rows`` (the frame table's columns, its time a datetime
+    shared with the rows of the same sample time)."""
+    get = _FRAME_NUMS[kind.name].of(records)
+    mat = frames.matrix(kind, [get(r) for r in records])
+    objs = frames.objects(kind, {f: list(map(one.of(records), records)) for f, one in _FRAME_OBJS[kind.name]})
+    run_ids = [runs[name] for name in map(_RUN.of(records), records)] if kind is frames.STEPS else None
+    into = rows[kind.model]
+    for b in frames.build(kind, mat, objs, run_ids):
+        when = times.get(b.ts)
+        if when is None:
+            when = times[b.ts] = _dt(b.ts)
+        if kind is frames.STEPS:
+            into.append([cluster_id, b.run_id, node_id, when, b.rank_group, b.step_lo, b.step_hi, b.n, kind.layout,
+                         b.data])
+        elif kind is frames.PROBES:
+            into.append([cluster_id, node_id, when, b.n, kind.layout, b.data, b.peers])
+        else:
+            into.append([cluster_id, node_id, when, b.n, kind.layout, b.data])
 
 
 @contextmanager

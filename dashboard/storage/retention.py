@@ -18,6 +18,7 @@ from django.db.models import Q
 from dashboard.storage import partitions
 from dashboard.storage.models import ROLLUPS, RollupState, StepRollup
 from dashboard.storage.rollup import exclusive, floor_to, raw_horizon, roll_up
+from dashboard.telemetry.models import GpuFrame
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def _purge_tiers(now: datetime, chunk: int) -> int:
     deleted = 0
     cut_raw = floor_to(raw_horizon(now), max(TIER_WIDTHS))
     cuts = []
-    for raw, (_, _, tiers) in ROLLUPS.items():
+    for raw, (_, _, tiers) in [*ROLLUPS.items(), (GpuFrame, ((), (), {}))]:
         cut, n = purge(raw, cut_raw, chunk)
         cuts.append(cut)
         deleted += n
@@ -98,7 +99,7 @@ def _purge_tiers(now: datetime, chunk: int) -> int:
 
 def rolled_tables() -> list[type[models.Model]]:
     """The raw tables that are rolled up and their rollup tables."""
-    return [*ROLLUPS, *(t for _, _, tiers in ROLLUPS.values() for t in tiers.values())]
+    return [*ROLLUPS, GpuFrame, *(t for _, _, tiers in ROLLUPS.values() for t in tiers.values())]
 
 
 TIER_WIDTHS = sorted({w for _, _, tiers in ROLLUPS.values() for w in tiers})

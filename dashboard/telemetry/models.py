@@ -417,6 +417,67 @@ class Event(models.Model):
         ]
 
 
+class GpuFrame(models.Model):
+    """A node's GPU samples from one post within one aligned 10 s window, as one packed matrix
+    (:mod:`dashboard.storage.frames`): ``ts`` is the oldest sample's time, ``n`` the samples, ``data`` the matrix and
+    the object fields (throttle reasons, why a field is unavailable) LZ4-compressed in ``layout``'s column order."""
+
+    cluster = _series_ref(Cluster)  # (cluster, ts) and (node, ts) are indexed
+    node = _series_ref(Node)
+    ts = models.DateTimeField()
+    n = models.PositiveIntegerField()
+    layout = models.PositiveSmallIntegerField(default=0)
+    data = models.BinaryField()
+
+    class Meta:
+        indexes = [models.Index(fields=["cluster", "ts"]), models.Index(fields=["node", "ts"])]
+
+
+class StepFrame(models.Model):
+    """Training steps from one post: one run, one aligned group of RANK_GROUP ranks, one aligned bucket of steps
+    (dashboard.storage.frames.STEP_BUCKET) and one aligned 10 s window, as one packed matrix. ``step_lo`` and
+    ``step_hi`` bound its steps: a run's steps ``a..b`` are in the frames with ``step_hi`` in [bucket start of a,
+    bucket end of b], a rank's in those of its ``rank_group`` too."""
+
+    cluster = _series_ref(Cluster)
+    run = _series_ref(Run)
+    # Not indexed (nothing reads steps by node); nodes are deleted only with their cluster (see StepSample.node).
+    node = _series_ref(Node, models.DO_NOTHING, null=True)
+    ts = models.DateTimeField()
+    rank_group = models.PositiveIntegerField()
+    step_lo = models.BigIntegerField()
+    step_hi = models.BigIntegerField()
+    n = models.PositiveIntegerField()
+    layout = models.PositiveSmallIntegerField(default=0)
+    data = models.BinaryField()
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["run", "step_hi"]),
+            models.Index(fields=["run", "rank_group", "step_hi"]),
+            models.Index(fields=["run", "ts"]),
+            models.Index(fields=["cluster", "ts"]),
+        ]
+
+
+class ProbeFrame(models.Model):
+    """The probes one post carried from ``node`` within one aligned 10 s window, as one packed matrix. ``peers`` lists
+    their distinct peers between spaces (" a b "): the frames holding probes *to* a host are those whose ``peers``
+    contains " host " within the time range (a row per probe and an index by peer cost more than anything else the
+    ingest writer did: docs/scaling.md)."""
+
+    cluster = _series_ref(Cluster)  # (cluster, ts) and (node, ts) are indexed
+    node = _series_ref(Node, related_name="probe_frames")
+    ts = models.DateTimeField()
+    n = models.PositiveIntegerField()
+    layout = models.PositiveSmallIntegerField(default=0)
+    data = models.BinaryField()
+    peers = models.TextField()
+
+    class Meta:
+        indexes = [models.Index(fields=["cluster", "ts"]), models.Index(fields=["node", "ts"])]
+
+
 class Probe(models.Model):
     """A pairwise probe from ``node`` to ``peer`` (the peer's host name, resolved to ``peer_node`` when known)."""
 

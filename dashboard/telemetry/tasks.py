@@ -25,7 +25,8 @@ from django.utils import timezone
 
 from dashboard.telemetry import models as m
 
-LONG_SERIES = (m.PortSample, m.StepSample, m.Probe, m.Event)  # kept RETENTION_HOURS; GPU and host: dashboard.storage
+# kept RETENTION_HOURS; GPU and host: dashboard.storage
+LONG_SERIES = (m.PortSample, m.StepSample, m.Probe, m.StepFrame, m.ProbeFrame, m.Event)
 MARK_KEEP = timedelta(days=30)
 
 
