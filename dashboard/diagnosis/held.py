@@ -93,12 +93,15 @@ class Series:
     def merge(self, ids: np.ndarray, mat: np.ndarray, objs: list[np.ndarray], bound: float) -> bool:
         """Add a delta read's rows and drop those out of the window; False when the held rows are stale (the held
         top row was not read back: read the series afresh)."""
-        if self.top >= 0:
-            if not (ids == self.top).any():
-                return False
-            new = ids != self.top  # held, or out of the window by now
-            if self.holes:  # a merged hole reads rows held already
-                new &= ~np.isin(ids, self.ids)
+        if self.top >= 0 and not (ids == self.top).any():
+            return False
+        seen = ids  # every id read counts for the top and the holes, whether its rows are in the window or not
+        new = ids != self.top  # held, or out of the window by now
+        if self.holes:  # a merged hole reads rows held already
+            new &= ~np.isin(ids, self.ids)
+        # Rows before the bound: a frame is read whole (dashboard.storage.frames), and may hold older samples.
+        new &= mat[self.at] > bound if self.strict else mat[self.at] >= bound
+        if not new.all():
             ids, mat, objs = ids[new], mat[:, new], [o[new] for o in objs]
         if self._mat is None:
             self._mat, self._objs = np.empty((mat.shape[0], 0)), [np.empty(0, dtype=object) for _ in objs]
@@ -118,10 +121,11 @@ class Series:
             for buf, col in zip(self._objs, objs, strict=True):
                 buf[self.hi:self.hi + len(ids)] = col
             self.hi += len(ids)
-            self.top = max(self.top, int(ids.max()))
+        if len(seen):
+            self.top = max(self.top, int(seen.max()))
         self.bound = bound
         if connection.vendor == "postgresql":
-            self._holes(before, ids)
+            self._holes(before, seen)
         return True
 
     def _move(self, keep: np.ndarray | None, room: int) -> None:

@@ -44,6 +44,7 @@ from dashboard.diagnosis.detectors.window import (
     port_suspect,
 )
 from dashboard.live.state import get_state
+from dashboard.storage import frames as fr
 from dashboard.telemetry import interconnect
 from dashboard.telemetry import models as m
 
@@ -284,70 +285,49 @@ def _bound_epoch(now: float, span: float) -> float:
     return _bounds[key][span]
 
 
-def _num(model: type, col: str) -> str:
-    """A numeric column as the pass selects it. On SQLite a boolean column is read as an expression (``+ 0``, the
-    same 0 / 1): Django registers a converter for the declared type "bool", which the driver then calls on every
-    cell (three GPU columns: about a fifth of the GPU rows' read at 2,048 nodes)."""
-    if connection.vendor == "sqlite" and model._meta.get_field(col).get_internal_type() == "BooleanField":
-        return f"({col} + 0)"
-    return col
+def _framed(kind: fr.Kind, key: tuple[Any, ...], scope: str, scope_id: int, at: int, bound: float,
+            bound_sql: str, bound_params: list[Any], num: tuple[str, ...], obj: tuple[str, ...] = (),
+            strict: bool = False, also: tuple[str, list[Any], Callable[[list[Any]], None]] | None = None
+            ) -> held.Series:
+    """The held series ``key`` of ``kind``'s samples: those whose column ``at`` of ``num`` is at or past ``bound``
+    (past it when ``strict``), from the frames matching ``scope = scope_id`` and ``bound_sql`` (which must select
+    every frame that can hold such a sample: frames are chosen whole, their samples filtered as they are merged).
+    ``num``: the numeric rows the series keeps (the kind's fields, and "node_id" for the frame's node); ``obj``: its
+    object fields. One query a pass, reading the frames written since the last (held.read). ``also``: (condition,
+    params, receiver) of more frames the same query reads, handed to the receiver as read (not held)."""
+    table = connection.ops.quote_name(kind.model._meta.db_table)
+
+    def fetch(cond: str, params: list[Any], fresh: bool) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        where = f"{scope} = %s" if fresh else f"{scope} + 0 = %s"  # see held.read
+        sql = f"SELECT id, node_id, n, layout, data, 0 FROM {table} WHERE {where} AND {cond}"
+        if also is not None:
+            sql += f" UNION ALL SELECT id, node_id, n, layout, data, 1 FROM {table} WHERE {also[0]}"
+        with _cursor() as cur:
+            cur.execute(sql, [scope_id, *params, *(also[1] if also else ())])
+            got = cur.fetchall()
+        if also is not None:
+            also[2]([f for f in got if f[5]])
+            got = [f for f in got if not f[5]]
+        rows = fr.decode(kind, got, ("id", "node_id"), obj)
+        mat = np.empty((len(num), len(rows)))
+        for i, c in enumerate(num):
+            mat[i] = rows["node_id"] if c == "node_id" else rows.mat[:, kind.col(c)]
+        objs = [np.fromiter(rows.objs[f], dtype=object, count=len(rows)) for f in obj]
+        return rows["id"].astype(np.int64), mat, objs
+
+    return held.read(key, at, bound, bound_sql, bound_params, fetch, strict=strict)
 
 
-# GPU error counters and flags that are zero (or not reported) in nearly every sample. The pass reads them as one
-# cell per row: -1 where any is set (those rows' values are read by a second query), else a bitmask of the ones
-# that are null (not reported). Reading a cell costs the driver a Python object whatever it holds: ten cells of the
-# GPU rows' twenty-eight were ~30% of their read at 2,048 nodes.
-QUIET_GPU = ("ecc_sbe_volatile", "ecc_dbe_volatile", "retired_pages_pending", "remap_pending", "remap_failure",
-             "remap_uncorrectable", "pcie_replay_total", "nvlink_crc_errors_total", "nvlink_replay_errors_total",
-             "nvlink_recovery_errors_total")
-
-
-def _quiet_sql(model: type, cols: tuple[str, ...]) -> tuple[str, str]:
-    """(the packed cell's expression, the condition of a row with any of ``cols`` set)."""
-    def zero(c: str) -> str:
-        boolean = model._meta.get_field(c).get_internal_type() == "BooleanField"
-        return f"COALESCE({c}{'::int' if boolean and connection.vendor == 'postgresql' else ''}, 0) = 0"
-
-    quiet = " AND ".join(zero(c) for c in cols)
-    mask = " + ".join(f"(CASE WHEN {c} IS NULL THEN {1 << j} ELSE 0 END)" for j, c in enumerate(cols))
-    return f"CASE WHEN {quiet} THEN {mask} ELSE -1 END", f"NOT ({quiet})"
-
-
-def _read_quiet(model: type, num: list[str], obj: list[str], where: str,
-                params: list[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """:func:`_read` of ``num`` (ids first) with its QUIET_GPU columns packed (see there), unpacked to the same
-    matrix: 0 or NaN from the mask, the values themselves where any is set."""
-    at = [i for i, c in enumerate(num) if c in QUIET_GPU]
-    rest = [c for c in num if c not in QUIET_GPU]
-    packed, loud = _quiet_sql(model, QUIET_GPU)
-    part, objs = _read(model, [*rest, packed], obj, where, params)
-    n = part.shape[1]
-    mat = np.empty((len(num), n))
-    mat[[i for i, c in enumerate(num) if c not in QUIET_GPU]] = part[:-1]
-    mask = part[-1]
-    bits = np.where(mask < 0, 0, mask).astype(np.int64)
-    for j, i in enumerate(at):
-        mat[i] = np.where(bits & (1 << j), np.nan, 0.0)
-    if (mask < 0).any():
-        sel = [_num(model, c) for c in QUIET_GPU]
-        got = _rows(model, ["id", *sel], f"{where} AND {loud}", params)
-        if got:
-            vals = _cells(got, len(sel) + 1).astype(float)
-            ids = part[0].astype(np.int64)
-            order = np.argsort(ids)
-            pos = np.searchsorted(ids[order], vals[:, 0].astype(np.int64))
-            found = pos < n
-            found[found] = ids[order][pos[found]] == vals[found, 0]  # a row written since the first query: not ours
-            rows = order[pos[found]]
-            for j, i in enumerate(at):
-                mat[i, rows] = vals[found, j + 1]
-    return mat, objs
+def _since_frames(now: float, span: float) -> tuple[float, str, list[Any]]:
+    """A window's bound, and the SQL that selects every frame that can hold a sample at or past it."""
+    bound = now - span
+    return bound, "ts >= %s", [connection.ops.adapt_datetimefield_value(_dt(fr.window_start(bound)))]
 
 
 def _gpus(cluster_id: int, now: float, lut: np.ndarray) -> Table:
-    s = _held(m.GpuSample, "gpus", cluster_id, now,
-              ["node_id", "gpu_index", _epoch(), *(c if c in QUIET_GPU else _num(m.GpuSample, c) for c in GPU_NUM[3:])],
-              GPU_OBJ, at=2, reader=_read_quiet)
+    bound, sql, params = _since_frames(now, SPANS["gpus"])
+    s = _framed(fr.GPUS, ("gpus", cluster_id), "cluster_id", cluster_id, 2, bound, sql, params,
+                ("node_id", "index", *GPU_NUM[2:]), GPU_OBJ)
     return _table(*_known(s.mat, s.objs, lut), GPU_NUM, GPU_OBJ, lut)
 
 
@@ -363,8 +343,9 @@ def _port_suspects(objs: list[np.ndarray]) -> np.ndarray:
 
 
 def _probes(cluster_id: int, now: float, lut: np.ndarray, hostnames: list[str], index: dict[str, int]) -> Table:
-    s = _held(m.Probe, "probes", cluster_id, now, ["node_id", _epoch(), "sent", "lost", "rtt_ms", "bw_gbps"],
-              ("peer",), text=("peer",))
+    bound, sql, params = _since_frames(now, SPANS["probes"])
+    s = _framed(fr.PROBES, ("probes", cluster_id), "cluster_id", cluster_id, 1, bound, sql, params,
+                ("node_id", "ts", "sent", "lost", "rtt_ms", "bw_gbps"), ("peer",))
     mat, (peer,) = _known(s.mat, s.objs, lut)
     names = sorted(set(peer))
     for name in names:
@@ -524,43 +505,35 @@ def _ranks(cluster_id: int, run_ids: list[int]) -> list[tuple[int, int, str | No
 
 def _steps_and_losses(cluster_id: int, run_id: int, last_step: int,
                       loss_rank: int) -> tuple[held.Series, np.ndarray]:
-    """One query per run, two index range scans: every rank's last STEP_SPAN steps ((run, step); the rows this
+    """Every rank's last STEP_SPAN steps (the frames with ``step_hi`` past them, along (run, step_hi); those this
     process does not hold yet, :mod:`dashboard.diagnosis.held`) and the loss of ``loss_rank``'s last LOSS_SPAN steps
-    ((run, rank group, step): the training loop's loss is the same on every rank, or logged on rank 0 only). Returns the
-    steps (numeric rows STEP_NUM[1:], the groups cells) and the (step, ts, loss) rows."""
-    table = connection.ops.quote_name(m.StepSample._meta.db_table)
-    nums = ["rank", "step", _epoch(), *STEP_NUM[4:]]
-    blank = ", ".join(["NULL"] * len(STEP_NUM[4:]))
+    (its rank group's frames, along (run, rank_group, step_hi): the training loop's loss is the same on every rank, or
+    logged on rank 0 only). Returns the steps (numeric rows STEP_NUM[1:], the groups cells) and the (step, ts, loss)
+    rows."""
+    bound, since = last_step - STEP_SPAN, last_step - LOSS_SPAN
     losses: list[np.ndarray] = []
-    one_rank, one_rank_params = m.of_rank_sql(loss_rank)
 
-    def fetch(cond: str, params: list[Any], fresh: bool) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-        scope = "run_id = %s" if fresh else "run_id + 0 = %s"  # see held.read
-        sql = (f"SELECT id, {', '.join(nums)}, 0, {_text('groups')}, NULL FROM {table} WHERE {scope} AND {cond} "
-               f"UNION ALL SELECT id, rank, step, {_epoch()}, {blank}, 1, NULL, {_text('metrics')} FROM {table} "
-               f"WHERE run_id = %s AND {one_rank} AND step > %s")
-        with _cursor() as cur:
-            cur.execute(sql, [run_id, *params, run_id, *one_rank_params, last_step - LOSS_SPAN])
-            rows = cur.fetchall()
-        k = len(nums) + 2
-        cells = _cells(rows, k + 2)
-        mat = cells[:, :k].astype(float).T if rows else np.empty((k, 0))
-        steps = mat[-1] == 0
-        losses[:] = [_losses(mat[1:, ~steps], list(cells[~steps, k + 1]))]
-        return mat[0][steps].astype(np.int64), mat[1:-1, steps], [_objs(cells[steps, k])]
+    def loss(frames: list[Any]) -> None:
+        rows = fr.decode(fr.STEPS, [f[2:5] for f in frames], (), ("metrics",))
+        mine = (rows["rank"] == loss_rank) & (rows["step"] > since)
+        losses.append(_losses(rows.mat[mine][:, [fr.STEPS.col("step"), fr.STEPS.col("ts")]].T,
+                              [v for v, ok in zip(rows.objs["metrics"], mine, strict=True) if ok]))
 
-    s = held.read(("steps", cluster_id, run_id), 1, last_step - STEP_SPAN, "step > %s", [last_step - STEP_SPAN],
-                  fetch, strict=True)
-    return s, losses[0]
+    # One query: the loss's frames ride along with the steps' (the read the held series makes anyway).
+    s = _framed(fr.STEPS, ("steps", cluster_id, run_id), "run_id", run_id, 1, bound, "step_hi > %s", [bound],
+                STEP_NUM[1:], ("groups",), strict=True,
+                also=("run_id = %s AND rank_group = %s AND step_hi > %s", [run_id, loss_rank // fr.RANK_GROUP, since],
+                      loss))
+    return s, losses[-1]
 
 
 def _losses(mat: np.ndarray, metrics: list[Any]) -> np.ndarray:
-    """(step, ts, loss) rows, by step, from the loss part of :func:`_steps_and_losses` (``mat``: its numeric rows)."""
+    """(step, ts, loss) rows, by step: ``mat`` the samples' step and ts rows, ``metrics`` their metrics."""
     out = []
     for j, cell in enumerate(metrics):
-        loss = (_json(cell) or {}).get("loss")
+        loss = (cell or {}).get("loss")
         if isinstance(loss, int | float) and not isinstance(loss, bool):
-            out.append((mat[1][j], mat[2][j], float(loss)))
+            out.append((mat[0][j], mat[1][j], float(loss)))
     return np.array(sorted(out), dtype=float).reshape(-1, 3)
 
 

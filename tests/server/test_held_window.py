@@ -16,6 +16,7 @@ from collectors.sim.scenario import parse
 from dashboard.diagnosis import held, loader
 from dashboard.diagnosis.detectors.window import Table, Window
 from dashboard.ingest.writer import store_batch
+from dashboard.storage import frames as fr
 from dashboard.telemetry.models import Rank
 from tests.server.conftest import World
 
@@ -112,9 +113,12 @@ def test_a_row_that_commits_after_higher_ids_is_read_by_the_next_pass(world: Wor
     late = connection.copy()
     try:
         late.set_autocommit(False)
+        sample = np.full((1, len(fr.GPUS.numbers)), np.nan)
+        sample[0, [fr.GPUS.col("ts"), fr.GPUS.col("index"), fr.GPUS.col("util_gpu_pct")]] = [t0 + 5.5, 7, 12.5]
         with late.cursor() as cur:  # a slow writer takes its id now ...
-            cur.execute("INSERT INTO telemetry_gpusample (cluster_id, node_id, gpu_index, ts, util_gpu_pct) "
-                        "VALUES (%s, %s, 7, %s, 12.5) RETURNING id", [world.cluster.id, node.id, sim_dt(t0 + 5.5)])
+            cur.execute("INSERT INTO telemetry_gpuframe (cluster_id, node_id, ts, n, layout, data) "
+                        "VALUES (%s, %s, %s, 1, %s, %s) RETURNING id",
+                        [world.cluster.id, node.id, sim_dt(t0 + 5.5), fr.GPUS.layout, fr.pack(sample)])
             (late_id,) = cur.fetchone()
         _feed(world, sim, t0, range(6, 9))  # ... others commit higher ids
         seen = loader.load_window(world.cluster, t0 + 8, beats=[])
@@ -134,38 +138,46 @@ def sim_dt(ts: float) -> Any:
     return datetime.fromtimestamp(ts, tz=UTC)
 
 
-def test_the_gpu_error_counters_read_packed_are_the_stored_values(world: World) -> None:
-    """The pass reads the GPU error counters and flags that are nearly always zero as one cell per row
-    (loader.QUIET_GPU): zero, not reported (null) and set values must all come back as stored, held or fresh."""
+def test_the_gpu_columns_the_pass_reads_are_the_stored_values(world: World) -> None:
+    """Zero, not reported (null) and set values of every GPU column the detectors read come back as stored, held
+    or fresh, whichever frames they were stored in."""
     from dashboard.diagnosis.detectors.window import GPU_NUM
-    from dashboard.telemetry.models import GpuSample
+    from dashboard.telemetry.models import Node
+    from tests.server import framed
 
-    scenario = parse({"cluster": {"nodes": 3, "gpus_per_node": 2, "run": "llm", "seed": 5},
-                      "fault": [{"kind": "ecc_storm", "at_s": 3, "node": 1, "gpu": 0, "dbe_after_s": 6}]})
     t0 = time.time() - 300
-    sim = SimCluster(scenario, t0)
+    nodes = [Node.objects.create(cluster=world.cluster, hostname=f"g-{i}") for i in range(3)]
+    rng = np.random.default_rng(7)
+    stored: dict[tuple[str, int, float], list[float]] = {}
+
+    def post(second: int) -> None:
+        for node in nodes:
+            samples = []
+            for gpu in range(2):
+                values = {c: [None, 0.0, float(rng.integers(1, 1000))][int(rng.integers(0, 3))] for c in GPU_NUM[3:]}
+                for flag in ("retired_pages_pending", "remap_pending", "remap_failure"):
+                    values[flag] = None if values[flag] is None else bool(values[flag])
+                samples.append({"ts": t0 + second, "index": gpu, **values})
+                stored[(node.hostname, gpu, t0 + second)] = [
+                    float("nan") if values[c] is None else float(values[c]) for c in GPU_NUM[3:]]
+            framed.gpus(world.cluster, node, samples)
+
     held.forget()
-    _feed(world, sim, t0, range(1, 7))
-    loader.load_window(world.cluster, t0 + 6, beats=[])  # the rows so far held, the rest a delta
-    _feed(world, sim, t0, range(7, 13))
-    samples = GpuSample.objects.filter(cluster=world.cluster)
-    samples.filter(id__in=list(samples.values_list("id", flat=True)[::3])).update(
-        remap_uncorrectable=None, retired_pages_pending=None, nvlink_crc_errors_total=None)
-    samples.filter(id__in=list(samples.values_list("id", flat=True)[1::5])).update(
-        remap_pending=True, pcie_replay_total=7)
-    held.forget()
-    w = loader.load_window(world.cluster, t0 + 12, beats=[])
-    g = w.gpus
-    assert np.any(g["ecc_sbe_volatile"] > 0) and np.any(np.isnan(g["remap_uncorrectable"]))
-    assert np.any(g["remap_pending"] == 1) and np.any(g["remap_pending"] == 0)
-    got = {(w.nodes[int(g["node"][i])], int(g["gpu"][i]), round(float(g["ts"][i]), 3)):
-           [g[c][i] for c in GPU_NUM[3:]] for i in range(len(g))}
-    want = {(s.node.hostname, s.gpu_index, round(s.ts.timestamp(), 3)):
-            [float("nan") if getattr(s, c) is None else float(getattr(s, c)) for c in GPU_NUM[3:]]
-            for s in samples.filter(ts__gte=loader._dt(t0 + 12 - 20)).select_related("node")}
-    assert got.keys() == want.keys()
-    for k, row in want.items():
-        assert np.array_equal(np.array(got[k], dtype=float), np.array(row), equal_nan=True), k
+    for second in range(1, 7):
+        post(second)
+    loader.load_window(world.cluster, t0 + 6, beats=[])  # the frames so far held, the rest a delta
+    for second in range(7, 13):
+        post(second)
+    for fresh in (False, True):
+        if fresh:
+            held.forget()
+        w = loader.load_window(world.cluster, t0 + 12, beats=[])
+        g = w.gpus
+        got = {(w.nodes[int(g["node"][i])], int(g["gpu"][i]), float(g["ts"][i])):
+               [g[c][i] for c in GPU_NUM[3:]] for i in range(len(g))}
+        assert got.keys() == stored.keys()
+        for k, row in stored.items():
+            assert np.array_equal(np.array(got[k], dtype=float), np.array(row), equal_nan=True), (fresh, k)
 
 
 def test_rank_metas_read_again_unchanged_are_not_decoded_again(world: World) -> None:
