@@ -713,10 +713,11 @@ class Fields:
     """Reads ``names`` of a batch's records at C speed (operator's getters) whichever kind :func:`parse_batch` gave:
     dicts, or the compiled records it keeps with ``keep_records``. One name reads its bare value, several a tuple."""
 
-    __slots__ = ("attr", "item")
+    __slots__ = ("attr", "item", "names")
 
     def __init__(self, *names: str) -> None:
         self.item, self.attr = operator.itemgetter(*names), operator.attrgetter(*names)
+        self.names = names
 
     def of(self, records: list[Any]) -> Callable[[Any], Any]:
         """The getter for the records of one list (a list holds one kind)."""

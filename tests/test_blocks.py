@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -228,3 +229,102 @@ def test_a_groups_check_names_the_row_in_its_own_block() -> None:
 def test_the_agents_half_needs_no_numpy() -> None:
     code = "import sys, clusterdx.blocks; assert 'numpy' not in sys.modules and 'msgspec' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# -- the fast path (one msgspec decode of the whole post) against the reference path ------------------------------------
+
+
+def _post(**blocks_: Any) -> dict[str, Any]:
+    body = {"v": 2, "agent_id": "agent-1", "seq": 4, "host": "node-001", "sent_at": 1_700_000_002.0,
+            "hosts": [{"ts": 1_700_000_000.0, "cpu_pct": 12.5}]}
+    for kind, rec in ONE.items():
+        body[kind] = blocks.encode_block(kind, [rec, rec])
+    body.update(blocks_)
+    return body
+
+
+def _same_batch(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], server.Block):
+            assert a[k].kind == b[k].kind and a[k].cols == b[k].cols, k
+            assert np.array_equal(a[k].mat, b[k].mat, equal_nan=True), k
+        else:
+            assert a[k] == b[k], k
+
+
+def _outcome(fn: Any, body: bytes) -> Any:
+    try:
+        return fn(body)
+    except (wire.WireError, wire.MalformedJson) as exc:
+        return exc
+
+
+def test_the_fast_path_reads_a_simulated_clusters_posts_as_the_reference_path_does() -> None:
+    from collectors.sim.model import SimCluster
+    from collectors.sim.scenario import parse
+
+    start = time.time() - 120
+    sim = SimCluster(parse({"cluster": {"nodes": 3, "gpus_per_node": 8, "run": "llm", "seed": 9}}), start)
+    for t in range(4):
+        for batch in sim.tick(start + t):
+            body = json.dumps(blocks.encode_batch({**batch, "seq": t + 1})).encode()
+            fast = server._parse_v2_fast(body)
+            assert fast is not None, "a simulated post is taken by the fast path"
+            _same_batch(fast, server.parse_v2(body))
+            for kind in blocks.BLOCKED:  # and each block still carries exactly version 1's records
+                assert server.records(fast[kind]) == [_v1(kind, r) for r in _wire(batch.get(kind, []))]
+
+
+def test_the_fast_path_never_takes_what_the_reference_path_refuses() -> None:
+    """Every malformed block of test_a_malformed_block_is_refused_with_its_path, in a whole post: the fast path
+    leaves it to the reference path (None), which refuses it with its words."""
+    changes = [
+        ("gpus", lambda b: b.update(num=b["num"][:-4])), ("gpus", lambda b: b.update(n=3)),
+        ("gpus", lambda b: b["num_cols"].__setitem__(1, "ts")), ("gpus", lambda b: b.update(extra=1)),
+        ("gpus", lambda b: b["cols"].update(uuid=["a"])), ("gpus", lambda b: b["cols"].update(uuid=["a", 7])),
+        ("steps", lambda b: b["cols"].update(run=["ok", "bad run!"])), ("steps", lambda b: b["cols"].pop("run")),
+        ("steps", lambda b: b["cols"].update(run=["ok", None])),
+        ("steps", lambda b: b["cols"].update(phases=[{}, {"x": -1}])),
+        ("beats", lambda b: b["cols"].update(state=["data", "dancing"])),
+        ("probes", lambda b: b.update(num_cols=["ts", "sent"])), ("gpus", lambda b: b.update(n=-1)),
+        ("probes", lambda b: b.update(num="!!!!" + b["num"][4:])),
+    ]
+    for kind, change in changes:
+        post = _post()
+        change(post[kind])
+        body = json.dumps(post).encode()
+        assert server._parse_v2_fast(body) is None, kind
+        assert isinstance(_outcome(server.parse_v2, body), wire.WireError), kind
+
+
+NUMBERS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
+                    st.text(max_size=4), st.lists(st.integers(0, 3), max_size=2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(kind=st.sampled_from(sorted(ONE)), where=st.sampled_from(["n", "cols", "num_cols", "block", "envelope"]),
+       field=st.sampled_from(["uuid", "run", "peer", "state", "throttle_reasons", "phases", "x", "ts", "host",
+                              "seq", "sent_at"]), value=NUMBERS)
+def test_the_fast_path_agrees_with_the_reference_path_on_any_change(kind: str, where: str, field: str,
+                                                                    value: Any) -> None:
+    """One field of an otherwise valid post set to anything: the fast path takes it as the reference path does, or
+    leaves it to it (None); it never takes a post the reference path refuses."""
+    post = _post()
+    if where == "n":
+        post[kind]["n"] = value
+    elif where == "cols":
+        post[kind]["cols"][field] = [value, value]
+    elif where == "num_cols":
+        post[kind]["num_cols"] = value
+    elif where == "block":
+        post[kind] = value
+    else:
+        post[field] = value
+    body = json.dumps(post).encode()
+    reference = _outcome(server.parse_v2, body)
+    fast = server._parse_v2_fast(body)
+    if isinstance(reference, Exception):
+        assert fast is None, (kind, where, field, value, reference)
+    elif fast is not None:
+        _same_batch(fast, reference)

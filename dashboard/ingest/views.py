@@ -11,7 +11,7 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +50,7 @@ def clock_skew(batch: dict[str, Any], now: float) -> str | None:
 
     ahead = float(settings.CLUSTERDX["INGEST_MAX_FUTURE_S"])
     if _newest(batch) > now + ahead:  # only then name the first record ahead (a path string per record is dear)
-        for path, ts in wire.timestamps(wire.Batch, batch):
+        for path, ts in _timestamps(batch):
             if ts > now + ahead:
                 return (f"{path}: {ts - now:.0f} s ahead of the server's clock (limit {ahead:g} s, "
                         "CLUSTERDX_INGEST_MAX_FUTURE_S); check the node's time sync (chrony, ntpd)")
@@ -74,7 +74,19 @@ def _newest(batch: dict[str, Any]) -> float:
             first = value[0]
             if "ts" in (first if type(first) is dict else getattr(first, "__struct_fields__", ())):
                 newest = max(newest, max(map(_TS.of(value), value)))
+        elif type(value) is blocks.Block and len(value):
+            newest = max(newest, float(value.column("ts").max()))
     return newest
+
+
+def _timestamps(batch: dict[str, Any]) -> Iterator[tuple[str, float]]:
+    """:func:`clusterdx.wire.timestamps` of a batch whose record lists may be version 2 blocks."""
+    plain = {k: [] if type(v) is blocks.Block else v for k, v in batch.items()}
+    yield from wire.timestamps(wire.Batch, plain)
+    for kind, value in batch.items():
+        if type(value) is blocks.Block:
+            for i, ts in enumerate(value.column("ts").tolist()):
+                yield f"{kind}[{i}].ts", ts
 
 
 def _read_body(request: HttpRequest, limit: int) -> bytes | None:

@@ -22,6 +22,7 @@ from django.db import DatabaseError, IntegrityError, connection, models, transac
 from django.db.models import Q
 
 from clusterdx import wire
+from dashboard.ingest.blocks import Block, rows_of
 from dashboard.ingest.statements import statement_sizes
 from dashboard.live.publish import publish_batches, publisher
 from dashboard.storage import frames
@@ -253,22 +254,21 @@ class _Inventory:
         for node_id, (interfaces, ts) in newest.items():
             self.after_commit(self.interfaces, node_id, (interfaces, ts))
 
-    def note_gpu(self, node_id: int, sample: dict[str, Any]) -> None:
-        key = (node_id, sample["index"], sample["uuid"])
+    def note_gpu(self, node_id: int, gpu: tuple[int, str | None, str | None, str | None]) -> None:
+        """``gpu``: a sample's (index, uuid, name, pci_bus_id)."""
+        index, uuid, name, pci = gpu
+        key = (node_id, index, uuid)
         if key in self.gpus:
             return
         m.Gpu.objects.update_or_create(
-            node_id=node_id, index=sample["index"],
-            defaults={"uuid": sample["uuid"] or "", "name": sample["name"] or "", "pci_bus_id": sample["pci_bus_id"] or ""},
-        )
+            node_id=node_id, index=index, defaults={"uuid": uuid or "", "name": name or "", "pci_bus_id": pci or ""})
         self.after_commit(self.gpus, key)
 
-    def note_gpus(self, seen: list[tuple[int, dict[str, Any]]]) -> None:
+    def note_gpus(self, seen: list[tuple[int, tuple[int, str | None, str | None, str | None]]]) -> None:
         """:meth:`note_gpu` for a whole group: GPUs not seen yet cost one read and one bulk INSERT, not a query
         each (a server that starts under 2,048 nodes meets 16,384 of them in its first seconds)."""
         new: dict[tuple[int, int], tuple[tuple[int, int, str | None], tuple[str, str, str]]] = {}
-        for node_id, g in seen:
-            index, uuid, name, pci = (_GPU_ID.item if type(g) is dict else _GPU_ID.attr)(g)  # groups mix kinds
+        for node_id, (index, uuid, name, pci) in seen:
             key = (node_id, index, uuid)
             if key not in self.gpus:
                 new[(node_id, index)] = (key, (uuid or "", name or "", pci or ""))
@@ -423,7 +423,7 @@ def _with_gap_event(batch: dict[str, Any], received: datetime) -> dict[str, Any]
 
 
 def _run_ids(cluster: m.Cluster, batch: dict[str, Any], memo: dict[tuple[int, str], int] | None = None) -> dict[str, int]:
-    names = set(map(_RUN.of(batch["steps"]), batch["steps"])) | {r["run"] for r in batch["runs"]}
+    names = set(rows_of(batch["steps"], _RUN)) | {r["run"] for r in batch["runs"]}
     names |= {e["run"] for e in batch["events"] if e["run"]}
     return {name: inventory.run_id(cluster, name, memo) for name in names}
 
@@ -705,14 +705,14 @@ _STEP, _EVENT = wire.Fields("run", "ts", *STEP_FIELDS), wire.Fields("run", "ts",
 
 
 def _collect_series(rows: Rows, cluster: m.Cluster, node_id: int, batch: dict[str, Any], runs: dict[str, int],
-                    gpus: list[tuple[int, dict[str, Any]]] | None = None) -> None:
+                    gpus: list[tuple[int, Any]] | None = None) -> None:
     """The batch's rows into ``rows``; its GPUs into ``gpus`` for :meth:`_Inventory.note_gpus` (or noted now)."""
     c, n = cluster.id, node_id
     if gpus is None:
-        for g in batch["gpus"]:
+        for g in rows_of(batch["gpus"], _GPU_ID):
             inventory.note_gpu(node_id, g)
     else:
-        gpus += [(node_id, g) for g in batch["gpus"]]
+        gpus += [(node_id, g) for g in rows_of(batch["gpus"], _GPU_ID)]
     # A node's GPUs, ranks and probes share a sample time: one datetime each.
     times: dict[float, datetime] = {}
 
@@ -721,9 +721,9 @@ def _collect_series(rows: Rows, cluster: m.Cluster, node_id: int, batch: dict[st
         (column 2) its id."""
         if not records:
             return
-        get, new = fields.of(records), rows[model]
+        new = rows[model]
         start = len(new)
-        new += [[c, n, *get(r)] for r in records]
+        new += [[c, n, *r] for r in rows_of(records, fields)]
         for i in range(start, len(new)):
             row = new[i]
             when = times.get(row[at])
@@ -753,10 +753,13 @@ def _add_frames(rows: Rows, kind: frames.Kind, cluster_id: int, node_id: int, re
                 runs: dict[str, int], times: dict[float, datetime]) -> None:
     """The frames of one batch's records of ``kind`` into ``rows`` (the frame table's columns, its time a datetime
     shared with the rows of the same sample time)."""
-    get = _FRAME_NUMS[kind.name].of(records)
-    mat = frames.matrix(kind, [get(r) for r in records])
-    objs = frames.objects(kind, {f: list(map(one.of(records), records)) for f, one in _FRAME_OBJS[kind.name]})
-    run_ids = [runs[name] for name in map(_RUN.of(records), records)] if kind is frames.STEPS else None
+    if type(records) is Block:  # version 2: the post's own matrix, in the frames' column order (frames.Kind)
+        mat, objs = records.mat, frames.objects(kind, records.cols)
+    else:
+        get = _FRAME_NUMS[kind.name].of(records)
+        mat = frames.matrix(kind, [get(r) for r in records])
+        objs = frames.objects(kind, {f: list(map(one.of(records), records)) for f, one in _FRAME_OBJS[kind.name]})
+    run_ids = [runs[name] for name in rows_of(records, _RUN)] if kind is frames.STEPS else None
     into = rows[kind.model]
     for b in frames.build(kind, mat, objs, run_ids):
         when = times.get(b.ts)
@@ -807,7 +810,7 @@ _RUN_STEP_TS, _RUN = wire.Fields("run", "step", "ts"), wire.Fields("run")
 
 def _advance_runs(steps: list[Any], runs: dict[str, int]) -> None:
     last: dict[int, tuple[int, float]] = {}
-    for name, step, ts in map(_RUN_STEP_TS.of(steps), steps):
+    for name, step, ts in rows_of(steps, _RUN_STEP_TS):
         run_id = runs[name]
         if run_id not in last or step > last[run_id][0]:
             last[run_id] = (step, ts)

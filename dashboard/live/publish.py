@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from clusterdx import wire
+from dashboard.ingest.blocks import rows_of
 from dashboard.live.broadcast import broadcast_all, cluster_group, run_group
 from dashboard.live.state import get_state
 
@@ -89,12 +90,11 @@ def publish_batches(items: list[tuple[int, str, dict[str, Any], dict[str, int]]]
     beats: dict[int, dict[str, list[dict[str, Any]]]] = {}
     messages: list[tuple[str, dict[str, Any]]] = []
     for cluster_id, host, batch, runs in items:
-        samples = batch["gpus"]
-        gpus = [[host, *g] for g in map(_GPU.of(samples), samples)]
+        gpus = [[host, *g] for g in rows_of(batch["gpus"], _GPU)]
         by_cluster.setdefault(cluster_id, {}).setdefault(host, []).extend(gpus)  # a replayed spool: two of one host
         if batch["beats"]:
             # Only where each rank is now matters (the diagnosis reads it to name the rank that stopped a run).
-            beats.setdefault(cluster_id, {}).setdefault(host, []).extend(batch["beats"])
+            beats.setdefault(cluster_id, {}).setdefault(host, []).extend(_beats(batch["beats"]))
         messages += _messages(cluster_id, host, batch, runs, gpus)
     for cluster_id, hosts in by_cluster.items():
         live.record_hosts(cluster_id, hosts)
@@ -115,12 +115,20 @@ STEP_FIELDS = ("run", "step", "rank", "ts", "step_time_s", "data_wait_s", "compu
 _GPU, _STEPS = wire.Fields(*GPU_FIELDS), wire.Fields(*STEP_FIELDS)
 
 
+_BEAT = wire.Fields(*wire.field_names(wire.RankBeat))
+
+
+def _beats(beats: list[dict[str, Any]] | Any) -> list[dict[str, Any]]:
+    """The rank beats as dicts (the live state keeps each rank's last one), from records or a version 2 block."""
+    return beats if type(beats) is list else [dict(zip(_BEAT.names, b, strict=True)) for b in rows_of(beats, _BEAT)]
+
+
 def live_part(batch: dict[str, Any]) -> dict[str, Any]:
     """What :func:`publish_batches` reads of a stored batch, and nothing more: a process that stores batches for
     another to publish (:mod:`dashboard.ingest.remote`) sends this, a fraction of the batch to pickle."""
-    gpus, steps = batch["gpus"], batch["steps"]
-    return {"gpus": [dict(zip(GPU_FIELDS, g, strict=True)) for g in map(_GPU.of(gpus), gpus)], "beats": batch["beats"],
-            "steps": [dict(zip(STEP_FIELDS, s, strict=True)) for s in map(_STEPS.of(steps), steps)],
+    return {"gpus": [dict(zip(GPU_FIELDS, g, strict=True)) for g in rows_of(batch["gpus"], _GPU)],
+            "beats": _beats(batch["beats"]),
+            "steps": [dict(zip(STEP_FIELDS, s, strict=True)) for s in rows_of(batch["steps"], _STEPS)],
             "events": [e for e in batch["events"] if e["severity"] in SEVERE]}
 
 
@@ -171,8 +179,7 @@ def _messages(cluster_id: int, host: str, batch: dict[str, Any], runs: dict[str,
     if gpus:
         messages.append((cluster_group(cluster_id), {"type": "gpus", "cluster": cluster_id, "gpus": gpus}))
     by_run: dict[int, list[list[Any]]] = {}
-    steps = batch["steps"]
-    for run, *row in map(_STEPS.of(steps), steps):  # the run, then a browser's step row
+    for run, *row in rows_of(batch["steps"], _STEPS):  # the run, then a browser's step row
         by_run.setdefault(runs[run], []).append(row)
     for run_id, rows in by_run.items():
         messages.append((run_group(run_id), {"type": "steps", "run": run_id, "steps": rows}))
