@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from agent_support import start_agent, wait_for
 
@@ -27,8 +28,10 @@ def _fresh_ingest_caches() -> Iterator[None]:
 @pytest.mark.parametrize("version", [1, 2])
 def test_the_agent_feeds_the_real_ingest(live_server: Any, standin: Path, tmp_path: Path, version: int) -> None:
     """Either wire version (2: the GPU samples as a block, clusterdx.blocks) stores the same things."""
+    from dashboard.storage import frames as fr
     from dashboard.telemetry import tokens
-    from dashboard.telemetry.models import AgentBatch, Cluster, Event, GpuSample
+    from dashboard.telemetry.models import AgentBatch, Cluster, Event
+    from tests.server import framed
 
     cluster = Cluster.objects.create(name="e2e")
     _, token = tokens.create_token(cluster, "agents")
@@ -44,9 +47,17 @@ def test_the_agent_feeds_the_real_ingest(live_server: Any, standin: Path, tmp_pa
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
     xid = Event.objects.get(cluster=cluster, kind="xid")
     assert (xid.code, xid.gpu_index, xid.severity) == (79, 2, "critical")
-    latest = GpuSample.objects.filter(cluster=cluster, gpu_index=7).latest("ts")
-    assert latest.pcie_replay_total is None and latest.unavailable["pcie_replay_total"] == "not supported"
-    assert GpuSample.objects.filter(cluster=cluster, gpu_index=3).latest("ts").ecc_sbe_volatile > 10
+    gpus = framed.stored(fr.GPUS, cluster=cluster)
+
+    def latest(index: int) -> int:
+        """The position of GPU ``index``'s newest sample."""
+        mine = np.flatnonzero(gpus["index"] == index)
+        return int(mine[np.argmax(gpus["ts"][mine])])
+
+    seven = latest(7)
+    assert np.isnan(gpus["pcie_replay_total"][seven])
+    assert gpus.objs["unavailable"][seven]["pcie_replay_total"] == "not supported"
+    assert gpus["ecc_sbe_volatile"][latest(3)] > 10
     assert "token refused" not in agent.log() and "rejected" not in agent.log()
     assert "sent as wire version 1" not in agent.log()
 
@@ -57,8 +68,10 @@ def test_an_agent_on_version_2_falls_back_when_its_server_predates_it(live_serve
     version 2 post with 400, and the agent rewrites its spool as version 1 and goes on, losing nothing."""
     from clusterdx import wire
     from dashboard.ingest import blocks
+    from dashboard.storage import frames as fr
     from dashboard.telemetry import tokens
-    from dashboard.telemetry.models import AgentBatch, Cluster, GpuSample
+    from dashboard.telemetry.models import AgentBatch, Cluster
+    from tests.server import framed
 
     monkeypatch.setattr(blocks, "parse", lambda body: wire.parse_batch(body, keep_records=True))
     cluster = Cluster.objects.create(name="e2e-old")
@@ -71,8 +84,8 @@ def test_an_agent_on_version_2_falls_back_when_its_server_predates_it(live_serve
         agent.stop()
     seqs = list(AgentBatch.objects.filter(cluster=cluster).order_by("seq").values_list("seq", flat=True))
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs  # no gap: the refused batch was resent
-    gpus = GpuSample.objects.filter(cluster=cluster)
-    assert sorted(set(gpus.values_list("gpu_index", flat=True))) == list(range(8)) and gpus.count() % 8 == 0
+    gpus = framed.stored(fr.GPUS, cluster=cluster)
+    assert sorted(set(gpus["index"].astype(int).tolist())) == list(range(8)) and len(gpus) % 8 == 0
     rewritten = re.search(r"predates wire version 2 .*: (\d+) spooled batch\(es\) rewritten", agent.log())
     assert rewritten and int(rewritten.group(1)) >= 1, agent.log()
     assert "dropped, not retried" not in agent.log()

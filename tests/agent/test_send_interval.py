@@ -169,8 +169,10 @@ def test_a_clean_stop_seals_what_is_staged(standin: Path, tmp_path: Path) -> Non
 def test_the_agent_follows_the_real_servers_advert(live_server: Any, settings: Any, standin: Path,
                                                    tmp_path: Path) -> None:
     # A budget of one node per second and two nodes already known: the real ingest asks for a post every 2 s.
+    from dashboard.storage import frames as fr
     from dashboard.telemetry import tokens
-    from dashboard.telemetry.models import AgentBatch, Cluster, GpuSample, Node
+    from dashboard.telemetry.models import AgentBatch, Cluster, Node
+    from tests.server import framed
 
     settings.CLUSTERDX = {**settings.CLUSTERDX, "INGEST_NODES_PER_S": 1}
     cluster = Cluster.objects.create(name="advert")
@@ -178,14 +180,17 @@ def test_the_agent_follows_the_real_servers_advert(live_server: Any, settings: A
     _, token = tokens.create_token(cluster, "agents")
     agent = start_agent(tmp_path, live_server.url, lib_dir=standin, interval=0.25, token=token)
     batches = AgentBatch.objects.filter(cluster=cluster)
-    stamps = GpuSample.objects.filter(cluster=cluster, gpu_index=0)
+
+    def stamps() -> int:  # GPU 0's samples stored
+        return int((framed.stored(fr.GPUS, cluster=cluster)["index"] == 0).sum())
+
     try:
         # Batches sealed before the first answer (a cold server may take a while) hold one interval each.
         wait_for(lambda: "the server asks for at most one post every 2s" in agent.log() and not agent.spooled_seqs(),
                  timeout=20, what="the advert and the backlog sent")
-        before = (batches.count(), stamps.count())
+        before = (batches.count(), stamps())
         wait_for(lambda: batches.count() >= before[0] + 2, timeout=20, what="two batches after the advert")
-        after = (batches.count(), stamps.count())
+        after = (batches.count(), stamps())
     finally:
         agent.stop()
     seqs = list(batches.order_by("seq").values_list("seq", flat=True))

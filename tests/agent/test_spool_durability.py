@@ -132,7 +132,9 @@ def _drain(spool: Spool, sender: Sender, limit: int = 6) -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_a_rolled_back_counter_costs_no_batch(live_server: Any, token: str, tmp_path: Path) -> None:
-    from dashboard.telemetry.models import AgentBatch, GpuSample
+    from dashboard.storage import frames as fr
+    from dashboard.telemetry.models import AgentBatch
+    from tests.server import framed
 
     path = tmp_path / "spool.sqlite3"
     spool = Spool(path)
@@ -156,7 +158,7 @@ def test_a_rolled_back_counter_costs_no_batch(live_server: Any, token: str, tmp_
     finally:
         poster.close()
         spool.close()
-    stored = sorted(GpuSample.objects.values_list("util_gpu_pct", flat=True))
+    stored = sorted(framed.stored(fr.GPUS)["util_gpu_pct"].tolist())
     assert stored == [10.0, 20.0, 30.0], "the batch numbered with a reused seq was deleted instead of delivered"
     seqs = sorted(AgentBatch.objects.values_list("seq", flat=True))
     assert seqs[:2] == [first, lost] and seqs[2] > lost

@@ -3,6 +3,7 @@ what the hooks post is accepted and lands as steps, run metadata and events."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,8 +14,10 @@ from trainer_hooks import Monitor
 
 @pytest.mark.django_db(transaction=True)
 def test_the_hooks_post_to_the_real_ingest_endpoint(live_server, hook_env):
+    from dashboard.storage import frames as fr
     from dashboard.telemetry import tokens
-    from dashboard.telemetry.models import Cluster, Event, Rank, Run, StepSample
+    from dashboard.telemetry.models import Cluster, Event, Rank, Run
+    from tests.server import framed
 
     _, token = tokens.create_token(Cluster.objects.create(name="hooks-cluster"), "hooks")
     hook_env.setenv("CLUSTERDX_SERVER", live_server.url)
@@ -35,14 +38,16 @@ def test_the_hooks_post_to_the_real_ingest_endpoint(live_server, hook_env):
 
     assert mon.stats()["dropped"] == {} and mon.stats()["sent"]["batches"] >= 1
     run = Run.objects.get(name="live-run")
-    rows = StepSample.objects.filter(run=run).order_by("step")
-    assert [(r.step, r.tokens, r.samples) for r in rows] == [(i, 2048, 4) for i in range(5)]
-    assert rows[1].metrics == {"loss": 0.5} and rows[0].data_wait_s is not None
+    steps = framed.stored(fr.STEPS, run=run)
+    order = np.argsort(steps["step"], kind="stable")
+    assert [(int(steps["step"][i]), steps["tokens"][i], steps["samples"][i]) for i in order] == \
+        [(i, 2048, 4) for i in range(5)]
+    assert steps.objs["metrics"][order[1]] == {"loss": 0.5} and not np.isnan(steps["data_wait_s"][order[0]])
     assert run.world_size == 1
-    # The collective by process group, stored as sent (StepSample.groups), and the layout in the rank's metadata.
-    (world,) = rows[1].groups
+    # The collective by process group, stored as sent (a step's groups), and the layout in the rank's metadata.
+    (world,) = steps.objs["groups"][order[1]]
     assert (world["role"], world["name"], world["calls"], world["bytes"], world["ops"]) == (
         "world", "default_pg", 1, 16, {"all_reduce": 1})
-    assert world["exposed_s"] is not None and rows[1].comm_s is not None
+    assert world["exposed_s"] is not None and not np.isnan(steps["comm_s"][order[1]])
     assert Rank.objects.get(run=run, rank=0).meta["layout"]["grad_accum"] == 2
     assert Event.objects.filter(kind="checkpoint").count() == 1

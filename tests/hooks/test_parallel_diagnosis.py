@@ -33,8 +33,10 @@ def test_each_slow_rank_is_named_in_its_group_and_no_other(live_server):
     pytest.importorskip("torch.distributed.pipelining")
     from dashboard.diagnosis.models import Finding
     from dashboard.diagnosis.tasks import run_pass
+    from dashboard.storage import frames as fr
     from dashboard.telemetry import tokens
-    from dashboard.telemetry.models import Cluster, Run, StepSample
+    from dashboard.telemetry.models import Cluster, Run
+    from tests.server import framed
 
     cluster = Cluster.objects.create(name="parallel-dx")
     _, token = tokens.create_token(cluster, "hooks")
@@ -49,7 +51,7 @@ def test_each_slow_rank_is_named_in_its_group_and_no_other(live_server):
         jobs.append(([sys.executable, str(WORKER), "diagnose", str(DELAY), str(STEPS), *specs], env))
     run_ranks(jobs, timeout=150, tail=3000)
     runs = {f"dx-{name}-{rank}-{kind}": (name, rank, kind) for name, rank, kind in SCENARIOS}
-    stored = {r.name: StepSample.objects.filter(run=r).count() for r in Run.objects.filter(cluster=cluster)}
+    stored = {r.name: framed.count(fr.STEPS, run=r) for r in Run.objects.filter(cluster=cluster)}
     assert stored == dict.fromkeys(runs, WORLD * STEPS)  # every step of every rank went through the real ingest
 
     run_pass(cluster, time.time())

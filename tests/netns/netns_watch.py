@@ -48,32 +48,38 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, bed: Testbed |
         time.sleep(0.25)
 
 
+def probe_rounds(cluster: Any, since: float, bulk: bool = False) -> dict[str, int]:
+    """node -> distinct seconds since ``since`` in which its agent reported probes (``bulk``: a bulk-bandwidth one)."""
+    from dashboard.storage import frames as fr
+    from dashboard.telemetry.models import Node
+
+    probes = fr.read(fr.PROBES, t0=since, cols=("node_id",), cluster_id=cluster.id)
+    if bulk:
+        probes = probes.where(~np.isnan(probes["bw_gbps"]))
+    hosts = dict(Node.objects.filter(cluster=cluster).values_list("id", "hostname"))
+    out: dict[str, set[int]] = {}
+    for node, ts in zip(probes["node_id"].tolist(), probes["ts"].tolist(), strict=True):
+        out.setdefault(hosts[node], set()).add(int(ts))
+    return {h: len(s) for h, s in out.items()}
+
+
 class Watch:
     def __init__(self, cluster: Any, bed: Testbed, run: str) -> None:
         self.cluster, self.bed, self.run = cluster, bed, run
 
     # -- what arrived ----------------------------------------------------------------------------------------------
     def last_steps(self) -> dict[int, int]:
-        from django.db.models import Max
+        from dashboard.storage import frames as fr
 
-        from dashboard.telemetry.models import StepSample
-
-        rows = (StepSample.objects.filter(cluster=self.cluster, run__name=self.run).values("rank")
-                .annotate(last=Max("step")))
-        return {r["rank"]: r["last"] for r in rows}
+        steps = fr.read(fr.STEPS, cluster_id=self.cluster.id, run__name=self.run)
+        last: dict[int, int] = {}
+        for rank, step in zip(steps["rank"].astype(int).tolist(), steps["step"].astype(int).tolist(), strict=True):
+            last[rank] = max(step, last.get(rank, step))
+        return last
 
     def bulk_rounds_since(self, since: float) -> dict[str, int]:
         """node -> distinct seconds since ``since`` in which its agent reported a bulk-bandwidth probe."""
-        from datetime import UTC, datetime
-
-        from dashboard.telemetry.models import Probe
-
-        out: dict[str, set[int]] = {}
-        for host, ts in Probe.objects.filter(cluster=self.cluster, bw_gbps__isnull=False,
-                                             ts__gte=datetime.fromtimestamp(since, tz=UTC)).values_list(
-                                                 "node__hostname", "ts"):
-            out.setdefault(host, set()).add(int(ts.timestamp()))
-        return {h: len(s) for h, s in out.items()}
+        return probe_rounds(self.cluster, since, bulk=True)
 
     def warm_up(self, steps: int = 24, rounds: int = 3, timeout: float = 60.0) -> dict[int, int]:
         """Until every rank made ``steps`` steps past its first, and then every agent made ``rounds`` bulk probe

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import subprocess
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from netns_testbed import Testbed, run
-from netns_watch import FAULT_KINDS, Watch, describe, wait_for
+from netns_watch import FAULT_KINDS, Watch, describe, probe_rounds, wait_for
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -36,13 +35,7 @@ def _delay_path(bed: Testbed, into: str, sender: str, program: Path, queue: int 
 
 def _rounds_since(cluster, since: float) -> dict[str, int]:
     """node -> distinct seconds since ``since`` in which its agent reported probes."""
-    from dashboard.telemetry.models import Probe
-
-    out: dict[str, set[int]] = {}
-    for host, ts in Probe.objects.filter(cluster=cluster, ts__gte=datetime.fromtimestamp(since, tz=UTC)).values_list(
-            "node__hostname", "ts"):
-        out.setdefault(host, set()).add(int(ts.timestamp()))
-    return {h: len(s) for h, s in out.items()}
+    return probe_rounds(cluster, since)
 
 
 def test_a_delay_on_one_path_between_two_healthy_nodes_names_that_link(site, bed: Testbed, delay_program,

@@ -67,3 +67,15 @@ def steps(cluster: m.Cluster | int, node: m.Node | int | None, run: m.Run | int 
 
 def probes(cluster: m.Cluster | int, node: m.Node | int, samples: list[dict[str, Any]]) -> list[Any]:
     return add(fr.PROBES, cluster, node, samples)
+
+
+def stored(kind: fr.Kind, **filters: Any) -> fr.Rows:
+    """The samples of ``kind`` stored in the frames matching ``filters`` (the frame table's columns)."""
+    return fr.read(kind, cols=("node_id",), objects=kind.objects, **filters)
+
+
+def count(kind: fr.Kind, **filters: Any) -> int:
+    """How many samples of ``kind`` the frames matching ``filters`` hold."""
+    from django.db.models import Sum
+
+    return int(kind.model._default_manager.filter(**filters).aggregate(n=Sum("n"))["n"] or 0)

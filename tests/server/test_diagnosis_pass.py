@@ -4,9 +4,10 @@ loader's bounded queries, the detectors, and the findings lifecycle (open, escal
 from __future__ import annotations
 
 import time
-from datetime import timedelta
+from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
 import pytest
 
 from clusterdx import wire
@@ -16,7 +17,9 @@ from dashboard.diagnosis.models import Finding
 from dashboard.diagnosis.signals import finding_changed
 from dashboard.diagnosis.tasks import diagnose, run_pass
 from dashboard.ingest.writer import store_batch
-from dashboard.telemetry.models import Run, StepSample
+from dashboard.storage import frames as fr
+from dashboard.telemetry.models import Run
+from tests.server import framed
 from tests.server.conftest import World
 
 pytestmark = pytest.mark.django_db
@@ -277,8 +280,10 @@ def test_the_window_knows_the_runs_newest_step_though_the_run_row_lags(world: Wo
     feed.run(5, passes=False)
     now = feed.t0 + feed.t
     run = Run.objects.get(cluster=world.cluster, name="llm")
-    newest = StepSample.objects.filter(run=run).order_by("-ts").first()
-    behind = newest.ts - timedelta(seconds=0.9)
-    Run.objects.filter(id=run.id).update(last_step=newest.step - 3, last_step_at=behind)
+    steps = framed.stored(fr.STEPS, run=run)
+    at = int(np.argmax(steps["ts"]))
+    newest_step, newest_ts = int(steps["step"][at]), float(steps["ts"][at])
+    behind = datetime.fromtimestamp(newest_ts - 0.9, UTC)
+    Run.objects.filter(id=run.id).update(last_step=newest_step - 3, last_step_at=behind)
     info = next(r for r in loader.load_window(world.cluster, now).runs if r.name == "llm")
-    assert info.last_step == newest.step and info.last_step_ts == pytest.approx(newest.ts.timestamp(), abs=1e-3)
+    assert info.last_step == newest_step and info.last_step_ts == pytest.approx(newest_ts, abs=1e-3)

@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
+from dashboard.storage import frames as fr
 from dashboard.telemetry import models as m
 from dashboard.telemetry import tokens
+from tests.server import framed
 from tests.server.conftest import World, make_batch, post
 
 pytestmark = pytest.mark.django_db
@@ -18,7 +20,7 @@ pytestmark = pytest.mark.django_db
 
 def counts() -> dict[str, int]:
     return {model.__name__: model.objects.count() for model in
-            (m.AgentBatch, m.GpuSample, m.StepSample, m.Event, m.Node, m.Run, m.HostSample, m.PortSample, m.Probe)}
+            (m.AgentBatch, m.GpuFrame, m.StepFrame, m.Event, m.Node, m.Run, m.HostSample, m.PortSample, m.ProbeFrame)}
 
 
 def assert_refused(response: Any, status: int, code: str, before: dict[str, int], detail: str = "") -> None:
@@ -36,18 +38,19 @@ def test_it_stores_a_batch_and_its_inventory(client: Any, world: World) -> None:
     assert r.status_code == 200, r.content
     assert r.json() == {"status": "accepted", "seq": 0, "records": 5, "send_interval_s": 1.0}
     node = m.Node.objects.get(cluster=world.cluster, hostname="node-000")
-    assert sorted(m.GpuSample.objects.filter(node=node).values_list("gpu_index", "util_gpu_pct")) == [(0, 50.0), (1, 51.0)]
+    gpus = framed.stored(fr.GPUS, node=node)
+    assert sorted(zip(gpus["index"].tolist(), gpus["util_gpu_pct"].tolist(), strict=True)) == [(0, 50.0), (1, 51.0)]
     assert m.Gpu.objects.filter(node=node).count() == 2
     run = m.Run.objects.get(cluster=world.cluster, name="run-1")
     assert run.last_step == 1
-    assert m.StepSample.objects.filter(run=run).count() == 2
+    assert framed.count(fr.STEPS, run=run) == 2
     assert m.Event.objects.get().code == 79
 
 
 def test_it_accepts_gzip_bodies(client: Any, world: World) -> None:
     r = post(client, make_batch(seq=3), world.token, gz=True)
     assert r.status_code == 200 and r.json()["status"] == "accepted"
-    assert m.GpuSample.objects.count() == 2
+    assert framed.count(fr.GPUS) == 2
 
 
 def test_it_answers_a_repeated_sequence_number_as_duplicate_and_stores_once(client: Any, world: World) -> None:

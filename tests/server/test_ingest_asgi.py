@@ -10,7 +10,9 @@ from typing import Any
 
 import httpx
 
+from dashboard.storage import frames as fr
 from dashboard.telemetry import models as m
+from tests.server import framed
 from tests.server.conftest import AsgiServer, World, make_batch
 
 
@@ -62,7 +64,7 @@ def test_a_post_through_the_fast_path_reaches_the_database(asgi_server: AsgiServ
                    headers={"Authorization": f"Bearer {world.token}"}, timeout=10)
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     assert r.json() == {"status": "accepted", "seq": 1, "records": 4, "send_interval_s": 1.0}
-    assert m.GpuSample.objects.count() == 2 and m.StepSample.objects.count() == 2
+    assert framed.count(fr.GPUS) == 2 and framed.count(fr.STEPS) == 2
 
 
 def test_a_cached_token_is_checked_in_the_event_loop_without_a_query(asgi_server: AsgiServer, world: World,

@@ -8,7 +8,9 @@ from typing import Any
 
 import httpx
 
+from dashboard.storage import frames as fr
 from dashboard.telemetry import models as m
+from tests.server import framed
 from tests.server.conftest import AsgiServer, World, make_batch
 
 
@@ -34,4 +36,4 @@ def test_concurrent_first_batches_are_all_stored(asgi_server: AsgiServer, world:
     assert m.Run.objects.filter(name="run-1").count() == 1
     assert m.Node.objects.count() == 32
     assert m.Rank.objects.count() == 64 and m.Run.objects.get().world_size == 64
-    assert m.StepSample.objects.count() == 128
+    assert framed.count(fr.STEPS) == 128

@@ -27,7 +27,9 @@ from collectors.agent.delivery import Backoff, Poster, Sender
 from collectors.agent.spool import Spool
 from dashboard.ingest import commit, views
 from dashboard.ingest.writer import Stored, store_group
+from dashboard.storage import frames as fr
 from dashboard.telemetry import models as m
+from tests.server import framed
 from tests.server.conftest import AsgiServer, World, make_batch, post
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,8 +66,8 @@ def test_a_group_answers_each_batch_as_if_it_came_alone(world: World) -> None:
     assert outcomes == [*[Stored("accepted", 4)] * 6, Stored("duplicate", 0), Stored("duplicate", 0),
                         Stored("seq_reused", 0)]
     assert len(stored(world)) == 7
-    assert m.GpuSample.objects.filter(cluster=world.cluster).count() == 7 * 2
-    assert m.StepSample.objects.filter(cluster=world.cluster).count() == 7 * 2
+    assert framed.count(fr.GPUS, cluster=world.cluster) == 7 * 2
+    assert framed.count(fr.STEPS, cluster=world.cluster) == 7 * 2
     assert m.Node.objects.filter(cluster=world.cluster).count() == 3
     assert m.Gpu.objects.filter(node__cluster=world.cluster).count() == 3 * 2
 
@@ -73,28 +75,34 @@ def test_a_group_answers_each_batch_as_if_it_came_alone(world: World) -> None:
 @pytest.mark.django_db
 def test_a_group_stores_every_row_with_its_own_values(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """SQLite takes a group's rows SQLITE_ROWS_PER_STATEMENT to an INSERT, the rest in statements of 32, 16, 8 ...
-    rows: at 64 a statement, 23 nodes x 8 GPUs is two whole statements and 56 rows over (32 + 16 + 8). Each row must
-    land with its own values, none twice, none lost."""
+    rows: at 64 a statement, 23 nodes x 8 GPU frames (each GPU sampled in a 10 s window of its own, a frame each) is
+    two whole statements and 56 rows over (32 + 16 + 8). Each frame must land with its own values, none twice, none
+    lost."""
     from dashboard.ingest import writer
 
     monkeypatch.setattr(writer, "SQLITE_ROWS_PER_STATEMENT", 64)
     monkeypatch.setattr(writer, "_tables", {})  # the tables' statements are laid out when first used
     hosts = [f"node-{n:03d}" for n in range(23)]
+    base = (time.time() // fr.FRAME_S - 20) * fr.FRAME_S
     batches = []
     for n, host in enumerate(hosts):
         batch = make_batch(seq=1, host=host)
-        batch["gpus"] = [{**batch["gpus"][0], "index": i, "uuid": f"GPU-{host}-{i}", "util_gpu_pct": n + i / 10,
-                          "mem_used_bytes": n * 1000 + i, "throttle_reasons": [f"r{n}"] if i == 3 else None}
-                         for i in range(8)]
+        batch["gpus"] = [{**batch["gpus"][0], "ts": base + fr.FRAME_S * i, "index": i, "uuid": f"GPU-{host}-{i}",
+                          "util_gpu_pct": n + i / 10, "mem_used_bytes": n * 1000 + i,
+                          "throttle_reasons": [f"r{n}"] if i == 3 else None} for i in range(8)]
         batches.append(batch)
     rows = 23 * 8
     assert rows > 2 * writer.SQLITE_ROWS_PER_STATEMENT and rows % writer.SQLITE_ROWS_PER_STATEMENT
     assert store_group([job(world, b) for b in batches]) == [Stored("accepted", 8 + 2)] * 23
-    got = sorted(m.GpuSample.objects.filter(cluster=world.cluster).values_list(
-        "node__hostname", "gpu_index", "util_gpu_pct", "mem_used_bytes", "throttle_reasons"))
+    assert m.GpuFrame.objects.filter(cluster=world.cluster).count() == rows
+    gpus = framed.stored(fr.GPUS, cluster=world.cluster)
+    names = dict(m.Node.objects.filter(cluster=world.cluster).values_list("id", "hostname"))
+    got = sorted(zip([names[i] for i in gpus["node_id"].tolist()], gpus["index"].astype(int).tolist(),
+                     gpus["util_gpu_pct"].tolist(), gpus["mem_used_bytes"].tolist(), gpus.objs["throttle_reasons"],
+                     strict=True))
     assert got == sorted((host, i, n + i / 10, n * 1000 + i, [f"r{n}"] if i == 3 else None)
                          for n, host in enumerate(hosts) for i in range(8))
-    assert m.StepSample.objects.filter(cluster=world.cluster).count() == 23 * 2
+    assert framed.count(fr.STEPS, cluster=world.cluster) == 23 * 2
 
 
 @pytest.mark.django_db
@@ -180,7 +188,7 @@ def test_concurrent_batches_are_stored_once_each_in_shared_commits(transactional
     writer.stop()
     assert sorted(o.status for o in outcomes) == ["accepted"] * 24 + ["duplicate"] * 5
     assert stored(world) == sorted((b["agent_id"], b["seq"]) for b in batches)
-    assert m.GpuSample.objects.filter(cluster=world.cluster).count() == 24 * 2
+    assert framed.count(fr.GPUS, cluster=world.cluster) == 24 * 2
     assert commits() - before < len(jobs), "batches that arrived together shared commits"
 
 
@@ -360,4 +368,4 @@ def test_a_server_killed_before_its_commit_stores_the_retry_once(transactional_d
         second.terminate()
         second.wait(30)
     assert stored(world) == [("agent-node-042", 5)]
-    assert m.GpuSample.objects.filter(cluster=world.cluster).count() == 2
+    assert framed.count(fr.GPUS, cluster=world.cluster) == 2

@@ -26,8 +26,10 @@ from dashboard.ingest import commit
 from dashboard.ingest.errors import ERRORS
 from dashboard.live import publish
 from dashboard.live.state import get_state
+from dashboard.storage import frames as fr
 from dashboard.storage.sqlite.base import ProcessTurns
 from dashboard.telemetry import models as m
+from tests.server import framed
 from tests.server.conftest import AsgiServer, World, make_batch
 from tests.server.turns_children import hold_then_ask_again, take_and_die
 
@@ -123,7 +125,7 @@ def test_the_writer_process_answers_as_the_thread_writer_does(remote_server: Asg
     assert (_post(remote_server, world.token, b"\x1f\x8bnot", **{"Content-Encoding": "gzip"}).json()["error"]
             == "bad_encoding")
     assert _stored(world) == [("agent-node-007", 3)]
-    assert m.GpuSample.objects.filter(cluster=world.cluster).count() == 2
+    assert framed.count(fr.GPUS, cluster=world.cluster) == 2
     # The live view is the server's: what the child stored reaches its live state.
     publish.publisher.drain()
     live = {(row[0], row[1]): row for row in get_state().gpus(world.cluster.id)}
@@ -179,7 +181,7 @@ def test_a_killed_writer_process_costs_a_retry_and_never_a_second_copy(remote_se
     assert commit.writer().remote.pid() not in (None, pid)  # type: ignore[union-attr]
     assert _post(remote_server, world.token, body).json()["status"] == "duplicate"
     assert _stored(world) == [("agent-node-001", 0), ("agent-node-001", 1)]
-    assert m.GpuSample.objects.filter(cluster=world.cluster).count() == 4
+    assert framed.count(fr.GPUS, cluster=world.cluster) == 4
 
 
 def test_the_live_part_of_a_batch_publishes_what_the_whole_batch_does() -> None:

@@ -12,8 +12,10 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from dashboard.storage import frames as fr
 from dashboard.telemetry import models as m
 from dashboard.telemetry.tasks import purge_old_samples
+from tests.server import framed
 from tests.server.conftest import World, make_batch, post
 
 pytestmark = pytest.mark.django_db
@@ -23,7 +25,7 @@ def age(hours: float, **where: Any) -> None:
     """Move stored batches (their records and their time series) ``hours`` into the past."""
     then = timezone.now() - timedelta(hours=hours)
     m.AgentBatch.objects.filter(**where).update(received_at=then, sent_at=then)
-    for model in (m.GpuSample, m.StepSample, m.Event):
+    for model in (m.GpuFrame, m.StepFrame, m.Event):  # a frame's ts is what retention cuts by
         model.objects.filter(ts__gt=then).update(ts=then)
 
 
@@ -59,13 +61,13 @@ def test_a_late_retry_of_a_purged_batch_is_a_duplicate(client: Any, world: World
         assert status(client, world, seq) == "accepted"
     age(hours + 1, seq__lte=3)
     purge_old_samples()
-    steps = m.StepSample.objects.count()
+    steps = framed.count(fr.STEPS)
 
     # The ack of batch 2 was lost; the agent was off for a day and a half and now retries it.
     assert status(client, world, 2) == "duplicate"
     assert status(client, world, 1) == "duplicate"
     assert status(client, world, 5) == "duplicate"  # still on record: the unique row answers
-    assert m.StepSample.objects.count() == steps, "a late retry must not store its records a second time"
+    assert framed.count(fr.STEPS) == steps, "a late retry must not store its records a second time"
     assert status(client, world, 6) == "accepted"
     assert sorted(m.AgentBatch.objects.values_list("seq", flat=True)) == [3, 4, 5, 6]  # 3: the agent's purge mark
     # Another agent, or this one's seqs above the mark, are not affected.

@@ -16,8 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
+from dashboard.storage import frames as fr
 from dashboard.telemetry import models as m
 from dashboard.telemetry import tokens
+from tests.server import framed
 from tests.server.conftest import make_batch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,8 +73,7 @@ def send(url: str, token: str, batch: dict[str, Any]) -> tuple[int, dict[str, An
 
 
 def stored() -> tuple[int, int, int, int]:
-    return (m.AgentBatch.objects.count(), m.GpuSample.objects.count(), m.Event.objects.count(),
-            m.StepSample.objects.count())
+    return (m.AgentBatch.objects.count(), framed.count(fr.GPUS), m.Event.objects.count(), framed.count(fr.STEPS))
 
 
 XID = {"ts": 0.0, "kind": "xid", "severity": "critical", "code": 79, "gpu_index": 0, "message": "fallen off the bus"}
