@@ -264,19 +264,19 @@ def db_pass(nodes: int, seconds: int, keep: bool = False, passes: int = 20, prof
     django.setup()
     from django.core.management import call_command
     from django.db import connection
-    from django.db.models import Max
 
     from clusterdx import wire
     from dashboard.diagnosis import held
     from dashboard.diagnosis.tasks import run_pass
     from dashboard.ingest.writer import store_batch
-    from dashboard.telemetry.models import Cluster, GpuSample
+    from dashboard.storage import frames
+    from dashboard.telemetry.models import Cluster, GpuFrame
 
     call_command("migrate", verbosity=0)
     name = f"bench-{nodes}-kept" if keep else f"bench-{nodes}-{int(time.time())}"
     cluster, _ = Cluster.objects.get_or_create(name=name)
     sim, start = None, 0.0
-    if not GpuSample.objects.filter(cluster=cluster).exists():  # new, or kept from a feed that failed
+    if not GpuFrame.objects.filter(cluster=cluster).exists():  # new, or kept from a feed that failed
         scenario, _ = scenario_for(None, nodes, 8, 1)
         start = time.time() - seconds - live_s - 5
         sim = SimCluster(scenario, start)
@@ -285,7 +285,7 @@ def db_pass(nodes: int, seconds: int, keep: bool = False, passes: int = 20, prof
             for b in sim.tick(start + i):
                 store_batch(cluster, wire.validate_batch(b))
         print(f"db: stored {seconds} s of {nodes} nodes x 8 GPUs in {time.perf_counter() - a:.0f} s", flush=True)
-    now = GpuSample.objects.filter(cluster=cluster).aggregate(last=Max("ts"))["last"].timestamp()
+    now = frames.newest(frames.GPUS, cluster_id=cluster.id)
     held.forget()
     took = []
     if profile:

@@ -107,11 +107,11 @@ def main() -> int:
     django.setup()
     import numpy as np
     from django.db import connection
-    from django.db.models import Max
 
     from dashboard.diagnosis import held
     from dashboard.diagnosis.tasks import detect, thresholds
-    from dashboard.telemetry.models import Cluster, GpuSample, Rank
+    from dashboard.storage import frames
+    from dashboard.telemetry.models import Cluster, Rank
 
     cluster = Cluster.objects.get(name=f"bench-{args.nodes}-kept")
     if args.run_started:
@@ -119,7 +119,7 @@ def main() -> int:
 
         n = Rank.objects.filter(run__cluster=cluster).update(updated_at=datetime.now(tz=UTC))
         print(f"{n} ranks stamped as just updated", flush=True)
-    now = GpuSample.objects.filter(cluster=cluster).aggregate(last=Max("ts"))["last"].timestamp()
+    now = frames.newest(frames.GPUS, cluster_id=cluster.id)
     t = thresholds()
     held.forget()
     a = time.process_time()

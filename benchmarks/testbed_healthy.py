@@ -45,34 +45,39 @@ def setup_django() -> None:
     call_command("migrate", verbosity=0)
 
 
+def _probes(cluster: Any, since: float) -> Any:
+    from dashboard.storage import frames
+
+    return frames.read(frames.PROBES, t0=since, cols=("node_id",), objects=("peer",), cluster_id=cluster.id)
+
+
+def _hosts(cluster: Any) -> dict[int, str]:
+    from dashboard.telemetry.models import Node
+
+    return dict(Node.objects.filter(cluster=cluster).values_list("id", "hostname"))
+
+
 def bulk_rounds_since(cluster: Any, since: float) -> dict[str, int]:
-    from datetime import UTC, datetime
-
-    from dashboard.telemetry.models import Probe
-
+    probes, hosts = _probes(cluster, since), _hosts(cluster)
+    probes = probes.where(~np.isnan(probes["bw_gbps"]))
     out: dict[str, set[int]] = {}
-    for host, ts in Probe.objects.filter(cluster=cluster, bw_gbps__isnull=False,
-                                         ts__gte=datetime.fromtimestamp(since, tz=UTC)).values_list("node__hostname",
-                                                                                                   "ts"):
-        out.setdefault(host, set()).add(int(ts.timestamp()))
+    for node, ts in zip(probes["node_id"].tolist(), probes["ts"].tolist(), strict=True):
+        out.setdefault(hosts[node], set()).add(int(ts))
     return {h: len(s) for h, s in out.items()}
 
 
 def pair_classes(cluster: Any, bed: Testbed, since: float) -> dict[str, dict[str, float]]:
     """Per pair class: rounds, RTT p50 / p99 of the rounds' medians, p99 of the rounds' p99, bulk median / min."""
-    from datetime import UTC, datetime
-
-    from dashboard.telemetry.models import Probe
-
     rack = {n.name: n.rack for n in bed.nodes}
-    rows = Probe.objects.filter(cluster=cluster, ts__gte=datetime.fromtimestamp(since, tz=UTC)).values_list(
-        "node__hostname", "peer", "rtt_ms", "rtt_p99_ms", "bw_gbps", "lost", "sent")
+    probes, hosts = _probes(cluster, since), _hosts(cluster)
+    rows = zip([hosts[n] for n in probes["node_id"].tolist()], probes.objs["peer"],
+               *(probes[c].tolist() for c in ("rtt_ms", "rtt_p99_ms", "bw_gbps", "lost", "sent")), strict=True)
     got: dict[str, dict[str, list[float]]] = {}
     for host, peer, rtt, p99, bw, lost, sent in rows:
         cls = "intra-rack" if rack.get(host) == rack.get(peer) else "cross-rack"
         c = got.setdefault(cls, {"rtt": [], "p99": [], "bw": [], "lost": [], "sent": []})
         for key, value in (("rtt", rtt), ("p99", p99), ("bw", bw), ("lost", lost), ("sent", sent)):
-            if value is not None:
+            if value == value:  # NaN: not measured
                 c[key].append(float(value))
     out = {}
     for cls, c in sorted(got.items()):

@@ -285,6 +285,7 @@ def decode(kind: Kind, frames: Iterable[Sequence[Any]], cols: Sequence[str] = ()
     per: list[list[Any]] = [[] for _ in cols]
     wanted: dict[str, list[Any]] = {f: [] for f in objects}
     odd: list[tuple[int, np.ndarray]] = []  # (position in chunks, matrix) of frames in an older layout
+    seen: dict[bytes, dict[str, list[Any]]] = {}
     for frame in frames:
         n, layout, data = frame[k], frame[k + 1], frame[k + 2]
         raw = lz4.block.decompress(data)
@@ -299,7 +300,12 @@ def decode(kind: Kind, frames: Iterable[Sequence[Any]], cols: Sequence[str] = ()
         for j in range(k):
             per[j].append(frame[j])
         if wanted:
-            got = _decode(memoryview(raw)[size:]) if len(raw) > size else {}
+            tail = raw[size:]
+            got = seen.get(tail)
+            if got is None:
+                # Most frames repeat a few object texts (no throttle reason, the same unavailable fields): each is
+                # decoded once per read, and equal values are shared (callers only read them).
+                got = seen[tail] = _decode(tail) if tail else {}
             for f, into in wanted.items():
                 v = got.get(f)
                 into.extend(v if v is not None else [None] * n)
@@ -329,3 +335,17 @@ def read(kind: Kind, where: models.Q | None = None, *, t0: float | None = None, 
         qs = qs.order_by(*order)
     rows = decode(kind, qs.values_list(*cols, "n", "layout", "data").iterator(chunk_size=2000), cols, objects)
     return rows.between(t0, t1)
+
+
+def newest(kind: Kind, **filters: Any) -> float | None:
+    """The newest sample time in the frames matching ``filters``; None when there are none. A frame's ``ts`` is its
+    oldest sample's and its samples lie within FRAME_S of it: only the frames from the newest ``ts`` less FRAME_S on
+    can hold the newest sample."""
+    from django.db.models import Max
+
+    qs = kind.model._default_manager.filter(**filters)
+    top = qs.aggregate(t=Max("ts"))["t"]
+    if top is None:
+        return None
+    rows = read(kind, t0=top.timestamp() - FRAME_S, **filters)
+    return float(rows["ts"].max())
