@@ -174,7 +174,8 @@ def downsample_rows(ts: np.ndarray, values: dict[str, np.ndarray], tr: TimeRange
     edge[1:] = np.logical_or.reduce([c[1:] != c[:-1] for c in cols])
     starts = np.flatnonzero(edge)
     out: dict[str, dict[str, Any]] = {}
-    group_edge = np.ones(len(starts), dtype=bool)
+    group_edge = np.zeros(len(starts), dtype=bool)
+    group_edge[0] = True  # without ``groups``, one group of every bucket
     if keys:
         group_edge[1:] = np.logical_or.reduce([k[starts][1:] != k[starts][:-1] for k in cols[:-1]])
     bounds = np.append(np.flatnonzero(group_edge), len(starts))

@@ -43,6 +43,13 @@ def test_it_buckets_as_the_sql_grouping_does(world: Any, rows: list[tuple[int, i
               "mem_used_bytes": np.array([math.nan if m is None else m for *_, m in rows])}
     ids = np.array([float(nodes[n].id) for n, *_ in rows])
     got = downsample_rows(ts, values, tr, fields, groups=[ids], keep=keep)
+    _same(got, want, fields)
+    # And all nodes as one series (no groups).
+    _same(downsample_rows(ts, values, tr, fields, keep=keep),
+          downsample(HostSample.objects.filter(cluster=world.cluster), tr, fields, keep=keep), fields)
+
+
+def _same(got: dict[str, Any], want: dict[str, Any], fields: list[str]) -> None:
     assert got.keys() == want.keys()
     for key, series in want.items():
         assert got[key]["t"] == series["t"]
