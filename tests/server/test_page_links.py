@@ -4,12 +4,12 @@ rack, the matrix is sparse, and only members see any of it."""
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
-from dashboard.telemetry.models import Node, Probe
+from dashboard.telemetry.models import Node
+from tests.server import framed
 from tests.server.conftest import World
 from tests.server.test_diagnosis_pass import Feed
 
@@ -80,21 +80,23 @@ def test_nodes_are_ordered_by_rack_with_group_boundaries(client: Any, world: Wor
 
 
 def _synthetic(world: World, n: int, peers: int, rounds: int, slow: str = "") -> float:
-    """``n`` nodes each probing ``peers`` fixed peers (its rack's neighbours) once a second for ``rounds`` s; pairs
-    with ``slow`` at either end take 2 ms more."""
+    """``n`` nodes each probing ``peers`` fixed peers (its rack's neighbours) once a second for ``rounds`` s, each
+    second one post per node (stored as frames, as ingest frames a post); pairs with ``slow`` at either end take
+    2 ms more."""
     Node.objects.bulk_create([Node(cluster=world.cluster, hostname=f"h{i:04d}", rack=f"r{i // 32}") for i in range(n)])
     ids = dict(Node.objects.filter(cluster=world.cluster).values_list("hostname", "id"))
     now = time.time()
-    rows = []
     for r in range(rounds):
-        ts = datetime.fromtimestamp(now - rounds + r, UTC)
+        ts = now - rounds + r
         for i in range(n):
+            a = f"h{i:04d}"
+            probes = []
             for k in range(1, peers + 1):
-                a, b = f"h{i:04d}", f"h{(i + k) % n:04d}"
+                b = f"h{(i + k) % n:04d}"
                 rtt = 0.08 + 0.001 * (i % 7) + (2.0 if slow in (a, b) else 0.0)
-                rows.append(Probe(cluster=world.cluster, node_id=ids[a], peer=b, ts=ts, sent=5, lost=0, rtt_ms=rtt,
-                                  rtt_p99_ms=rtt * 1.3, bw_gbps=180.0))
-    Probe.objects.bulk_create(rows, batch_size=5000)
+                probes.append({"ts": ts, "peer": b, "sent": 5, "lost": 0, "rtt_ms": rtt, "rtt_p99_ms": rtt * 1.3,
+                               "bw_gbps": 180.0})
+            framed.probes(world.cluster, ids[a], probes)
     return now
 
 
