@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from dashboard.diagnosis.models import Finding
-from dashboard.telemetry.models import Run, StepSample
+from dashboard.storage import frames as fr
+from dashboard.telemetry.models import Run
 from tests.server.conftest import World
 from tests.server.test_diagnosis_pass import Feed
 
@@ -21,6 +22,11 @@ def starved(world: World) -> Feed:
                         {"kind": "xid", "at_s": 8, "node": 3, "gpu": 2, "code": 94}], nodes=4)
     feed.run(16)
     return feed
+
+
+def _steps_newest_first(run: Run) -> list[int]:
+    """The step of every rank sample stored for ``run`` (read straight from its frames), highest first."""
+    return sorted(fr.read(fr.STEPS, run_id=run.id)["step"].astype(int).tolist(), reverse=True)
 
 
 def test_it_lists_findings_with_filters(client: Any, world: World, starved: Feed) -> None:
@@ -54,7 +60,7 @@ def test_findings_refuse_outsiders_anonymous_and_bad_filters(client: Any, world:
 def test_explain_names_the_starved_rank_for_a_slow_step(client: Any, world: World, starved: Feed) -> None:
     Finding.objects.all().delete()  # the per-step analysis on its own, without findings to lean on
     run = Run.objects.get(name="llm")
-    step = StepSample.objects.filter(run=run).order_by("-step").values_list("step", flat=True)[2]
+    step = _steps_newest_first(run)[2]
     client.force_login(world.owner)
     body = client.get(f"/api/v1/runs/{run.id}/steps/{step}/explain").json()
     assert body["cause"]["kind"] == "data_starvation" and body["cause"]["subject"] == "llm/rank5"
@@ -70,7 +76,7 @@ def test_explain_names_the_starved_rank_for_a_slow_step(client: Any, world: Worl
 
 def test_explain_prefers_an_open_finding_and_shows_every_layer(client: Any, world: World, starved: Feed) -> None:
     run = Run.objects.get(name="llm")
-    step = StepSample.objects.filter(run=run).order_by("-step").values_list("step", flat=True)[0]
+    step = _steps_newest_first(run)[0]
     client.force_login(world.teammate)
     body = client.get(f"/api/v1/runs/{run.id}/steps/{step}/explain").json()
     assert body["cause"]["subject"] in {"llm/rank5", "node-003/gpu2"}

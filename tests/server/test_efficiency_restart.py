@@ -10,7 +10,8 @@ import pytest
 
 from dashboard.diagnosis.efficiency import record_run
 from dashboard.diagnosis.models import StepEfficiency
-from dashboard.telemetry.models import Run, StepSample
+from dashboard.telemetry.models import Run
+from tests.server import framed
 from tests.server.conftest import World
 
 T0 = 1_700_000_000.0
@@ -22,8 +23,7 @@ def test_steps_a_restart_undid_in_the_same_chunk_are_not_recorded(world: World) 
     # Steps 0-5, then the run restarts from step 3 (a checkpoint of step 2) and does 3 and 4 again: by when each
     # step last ended, 0, 1, 2, 5, 3, 4. Step 5's work was lost in the restart.
     done = [(s, T0 + s) for s in range(6)] + [(3, T0 + 7), (4, T0 + 8)]
-    StepSample.objects.bulk_create([StepSample(cluster=world.cluster, run=run, rank=0, step=s,
-                                               ts=datetime.fromtimestamp(t, UTC), step_time_s=1.0, tokens=100)
-                                    for s, t in done])
+    for s, t in done:  # a post a second, as the rank's agent sends them
+        framed.steps(world.cluster, None, run, [{"rank": 0, "step": s, "ts": t, "step_time_s": 1.0, "tokens": 100}])
     assert record_run(run, T0 + 100) > 0
     assert sorted(StepEfficiency.objects.filter(run=run).values_list("step", flat=True)) == [0, 1, 2, 3, 4]

@@ -14,7 +14,9 @@ import pytest
 
 from dashboard.live.consumers import _snapshot
 from dashboard.live.events import FRAME_SCHEMA, STEP_AGG_ROW
-from dashboard.telemetry.models import Node, Rank, Run, StepSample
+from dashboard.storage import frames as fr
+from dashboard.telemetry.models import Node, Rank, Run
+from tests.server import framed
 from tests.server.conftest import World
 from tests.server.test_diagnosis_pass import Feed
 
@@ -31,13 +33,19 @@ def run(world: World) -> Run:
     return Run.objects.get(name="llm")
 
 
+def _stored(run: Run) -> fr.Rows:
+    """Every step sample stored for ``run``, read straight from its frames (not through the pages' reader)."""
+    return fr.read(fr.STEPS, run_id=run.id)
+
+
 def _get(client: Any, user: Any, url: str, **params: Any) -> Any:
     client.force_login(user)
     return client.get(url, params)
 
 
 def test_it_downsamples_the_whole_run_into_buckets_of_steps(client: Any, world: World, run: Run) -> None:
-    steps = sorted(set(StepSample.objects.filter(run=run).values_list("step", flat=True)))
+    stored = _stored(run)
+    steps = sorted({int(s) for s in stored["step"]})
     assert len(steps) > 12, "the run must be longer than the points asked for"
     body = _get(client, world.owner, f"/api/v1/runs/{run.id}/steps", points=10).json()
     width = math.ceil((steps[-1] - steps[0] + 1) / 10)
@@ -46,9 +54,9 @@ def test_it_downsamples_the_whole_run_into_buckets_of_steps(client: Any, world: 
     assert body["step"][0] == steps[0] and body["step_end"][-1] == steps[-1]
     # the second bucket's numbers are exactly what its rank-step rows say
     lo, hi = body["step"][1], body["step_end"][1]
-    rows = StepSample.objects.filter(run=run, step__gte=lo, step__lte=hi)
-    st = np.array(rows.values_list("step_time_s", flat=True))
-    cp = np.array(rows.values_list("compute_s", flat=True))
+    rows = stored.where((stored["step"] >= lo) & (stored["step"] <= hi))
+    st, cp = rows["step_time_s"], rows["compute_s"]
+    assert len(st) and not np.isnan(st).any() and not np.isnan(cp).any()
     assert body["step_time_s"]["mean"][1] == pytest.approx(st.mean(), rel=1e-4)
     assert body["compute_s"]["max"][1] == pytest.approx(cp.max(), rel=1e-4)
     assert body["compute_s"]["min"][1] == pytest.approx(cp.min(), rel=1e-4)
@@ -60,8 +68,8 @@ def test_it_downsamples_the_whole_run_into_buckets_of_steps(client: Any, world: 
     zoomed = _get(client, world.owner, f"/api/v1/runs/{run.id}/steps", from_step=lo, to_step=hi, points=10).json()
     assert zoomed["bucket_steps"] == 1 and zoomed["step"] == list(range(lo, hi + 1))
     one = _get(client, world.owner, f"/api/v1/runs/{run.id}/steps", rank=6, from_step=lo, to_step=lo).json()
-    assert one["compute_s"]["mean"][0] == pytest.approx(
-        StepSample.objects.get(run=run, rank=6, step=lo).compute_s, rel=1e-4)
+    (six,) = stored.where((stored["rank"] == 6) & (stored["step"] == lo))["compute_s"]
+    assert one["compute_s"]["mean"][0] == pytest.approx(six, rel=1e-4)
     assert _get(client, world.owner, f"/api/v1/runs/{run.id}/steps", points=1).status_code == 400
 
 
@@ -72,17 +80,21 @@ def test_each_heatmap_cell_is_its_ranks_mean_over_the_bucket(world: World, run: 
 
     monkeypatch.setattr(run_series, "MAX_HEATMAP_ROWS", max_rows)
     lo, hi = 2, int(run.last_step)
+    hosts = {r.rank: r.node.hostname for r in Rank.objects.filter(run=run).select_related("node")}
     for metric in run_series.HEATMAP_METRICS:
         for cols in (1, 4, 600):
             body = run_series.heatmap(run, metric, lo, hi, cols)
             width = body["bucket_steps"]
             want: dict[tuple[str, int], list[float]] = {}
-            for r in StepSample.objects.filter(run=run, step__gte=lo, step__lte=hi).select_related("node"):
-                rank = Rank.objects.get(run=run, rank=r.rank)
-                label = f"rank {r.rank}" if body["row_kind"] == "rank" else rank.node.hostname
-                per = want.setdefault((label, r.rank, (r.step - lo) // width), [])  # type: ignore[arg-type]
-                if getattr(r, metric) is not None:
-                    per.append(getattr(r, metric))
+            stored = _stored(run)
+            for rank, step, value in zip(stored["rank"].astype(int).tolist(), stored["step"].astype(int).tolist(),
+                                         stored[metric].tolist(), strict=True):
+                if not lo <= step <= hi:
+                    continue
+                label = f"rank {rank}" if body["row_kind"] == "rank" else hosts[rank]
+                per = want.setdefault((label, rank, (step - lo) // width), [])  # type: ignore[arg-type]
+                if not math.isnan(value):
+                    per.append(value)
             cells: dict[tuple[str, int], float] = {}
             for (label, _, b), vals in want.items():
                 if vals:
@@ -168,10 +180,10 @@ def test_outsiders_get_404_and_the_logged_out_401(client: Any, world: World, run
 def _bulk_run(world: World, name: str, ranks: int, steps: int) -> Run:
     run = Run.objects.create(cluster=world.cluster, name=name, world_size=ranks, last_step=steps - 1)
     now = datetime.now(UTC)
-    StepSample.objects.bulk_create(
-        [StepSample(cluster=world.cluster, run=run, rank=r, step=s, ts=now, step_time_s=1.0 + r * 1e-6,
-                    data_wait_s=0.1, compute_s=0.7, comm_s=0.2, comm_arrive_s=0.8, tokens=4096)
-         for s in range(steps) for r in range(ranks)], batch_size=5000)
+    framed.steps(world.cluster, None, run,
+                 [{"rank": r, "step": s, "ts": now, "step_time_s": 1.0 + r * 1e-6, "data_wait_s": 0.1, "compute_s": 0.7,
+                   "comm_s": 0.2, "comm_arrive_s": 0.8, "tokens": 4096}
+                  for s in range(steps) for r in range(ranks)])
     return run
 
 

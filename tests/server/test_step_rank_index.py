@@ -1,7 +1,7 @@
-"""One rank's step samples are read through the (run, rank / 8, step) index (migration telemetry 0014), on SQLite and
-PostgreSQL: every reader that asks for one rank (the run page's rank view, the step rollup, a finding's evidence, the
-search box, the diagnosis pass's loss) gets exactly that rank's rows, and names the index's expression so the planner
-can use it (an expression index is used only when the query's expression is the index's)."""
+"""One rank's steps are read through the step frames' (run, rank_group, step_hi) index (telemetry 0015), on SQLite and
+PostgreSQL: a step frame holds one aligned group of RANK_GROUP ranks (a node's eight), so every reader that asks for
+one rank (the run page's rank view, the step rollup, a finding's evidence, the search box, the diagnosis pass's loss)
+selects only its group's frames along that index and gets exactly that rank's samples out of them."""
 
 from __future__ import annotations
 
@@ -15,32 +15,43 @@ from django.test.utils import CaptureQueriesContext
 from dashboard.diagnosis import held, loader
 from dashboard.diagnosis.detectors import Thresholds
 from dashboard.diagnosis.models import Finding
+from dashboard.storage import frames as fr
 from dashboard.storage import steps as rollup
-from dashboard.telemetry.models import RANK_GROUP, Run, StepSample
+from dashboard.telemetry.models import RANK_GROUP, Run, StepFrame
 from dashboard.web import evidence
 from dashboard.web.pages import overview, run_series
+from tests.server import framed
 from tests.server.conftest import World
 
 T0 = 1_700_000_000.0
 RANKS, STEPS, RANK = 64, 40, 13
-INDEX = "telemetry_step_rank_group"
+TABLE = StepFrame._meta.db_table
 
 
 def _steps(world: World) -> Run:
-    """RANKS ranks x STEPS steps; every value says whose row it is (step time 1 + rank/100, loss = rank + step/1000)."""
+    """RANKS ranks x STEPS steps, posted a node (eight ranks) a second as ingest frames them; every value says whose
+    sample it is (step time 1 + rank/100, loss = rank + step/1000)."""
     run = Run.objects.create(cluster=world.cluster, name="wide", last_step=STEPS - 1,
                              last_step_at=datetime.fromtimestamp(T0 + STEPS - 1, UTC))
-    StepSample.objects.bulk_create([
-        StepSample(cluster=world.cluster, run=run, rank=r, step=s, ts=datetime.fromtimestamp(T0 + s + r / 1000, UTC),
-                   step_time_s=1.0 + r / 100, compute_s=0.5, metrics={"loss": r + s / 1000})
-        for s in range(STEPS) for r in range(RANKS)], batch_size=2000)
+    for s in range(STEPS):
+        for group in range(RANKS // RANK_GROUP):
+            framed.steps(world.cluster, None, run, [
+                {"rank": r, "step": s, "ts": T0 + s + r / 1000, "step_time_s": 1.0 + r / 100, "compute_s": 0.5,
+                 "metrics": {"loss": r + s / 1000}}
+                for r in range(group * RANK_GROUP, (group + 1) * RANK_GROUP)])
     return run
+
+
+def _index(columns: list[str]) -> str:
+    with connection.cursor() as cursor:
+        found = connection.introspection.get_constraints(cursor, TABLE)
+    return next(name for name, c in found.items() if c["index"] and c["columns"] == columns)
 
 
 def _plan(sql: str) -> str:
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
-            # A few thousand rows: PostgreSQL would scan the table. Forbidding that shows the index *can* answer it.
+            # A few hundred frames: PostgreSQL would scan the table. Forbidding that shows the index *can* answer it.
             cursor.execute("SET LOCAL enable_seqscan = off")
             cursor.execute("EXPLAIN " + sql)
             return " | ".join(r[0] for r in cursor.fetchall())
@@ -49,7 +60,7 @@ def _plan(sql: str) -> str:
 
 
 @pytest.mark.django_db
-def test_a_ranks_reads_return_its_rows_by_the_rank_group_index(world: World) -> None:
+def test_a_ranks_reads_return_its_samples_by_the_rank_group_index(world: World) -> None:
     run = _steps(world)
     mine = 1.0 + RANK / 100
     finding = Finding(cluster=world.cluster, run=run, rank=RANK, kind="straggler", subject_type="rank",
@@ -64,6 +75,7 @@ def test_a_ranks_reads_return_its_rows_by_the_rank_group_index(world: World) -> 
         _, losses = loader._steps_and_losses(world.cluster.id, run.id, STEPS - 1, RANK)
     assert [r["step"] for r in raw] == list(range(STEPS)) and {r["n"] for r in raw} == {1}
     assert [r["step_time_s__max"] for r in raw] == [pytest.approx(mine)] * STEPS
+    assert [r["loss"] for r in raw] == [pytest.approx(RANK + s / 1000) for s in range(STEPS)]
     assert matrix is not None
     steps, _, ranks, cols = matrix
     assert steps == list(range(STEPS)) and list(ranks) == [RANK]
@@ -74,22 +86,29 @@ def test_a_ranks_reads_return_its_rows_by_the_rank_group_index(world: World) -> 
     assert losses[:, 0].tolist() == list(range(STEPS)) and losses[:, 2].tolist() == \
         [pytest.approx(RANK + s / 1000) for s in range(STEPS)]
 
+    group = RANK // RANK_GROUP
     one_rank = [q["sql"] for q in seen.captured_queries
-                if "telemetry_stepsample" in q["sql"] and re.search(rf'rank"? (\+ 0\) )?= {RANK}\b', q["sql"])]
+                if TABLE in q["sql"] and re.search(rf'rank_group"? = {group}\b', q["sql"])]
     assert len(one_rank) >= 5, [q["sql"] for q in seen.captured_queries]
+    index = _index(["run_id", "rank_group", "step_hi"])
     for sql in one_rank:
-        assert f"/ {RANK_GROUP})" in sql, sql  # the index's expression, as the index has it
         if "%s" in sql or "$1" in sql:
             continue  # a server-side bound statement (the pass on PostgreSQL) cannot be explained as text
         plan = _plan(sql)
-        # PostgreSQL's daily partitions each carry the index under a name of their own (..._run_id_expr_step_idx).
-        assert INDEX in plan or (f"((rank / {RANK_GROUP}) =" in plan and "Seq Scan" not in plan), (sql, plan)
+        # PostgreSQL's daily partitions each carry the index under a name of their own (..._run_id_rank_group_...).
+        assert index in plan or ("rank_group_step_hi" in plan and "Seq Scan" not in plan), (sql, plan)
 
 
 @pytest.mark.django_db
-def test_the_index_exists_as_migrated_and_the_per_rank_index_is_gone(world: World) -> None:
+def test_the_frames_index_the_rank_group_and_not_the_node(world: World) -> None:
     with connection.cursor() as cursor:
-        found = connection.introspection.get_constraints(cursor, StepSample._meta.db_table)
-    assert INDEX in found and found[INDEX]["index"]
+        found = connection.introspection.get_constraints(cursor, TABLE)
     columns = [c["columns"] for c in found.values() if c["index"]]
-    assert ["run_id", "rank", "step"] not in columns and ["node_id"] not in columns, columns
+    assert ["run_id", "rank_group", "step_hi"] in columns and ["run_id", "step_hi"] in columns, columns
+    assert not any(c[0] == "node_id" for c in columns), columns  # nothing reads steps by node
+    # A frame is one rank group's: a post of a node's sixteen ranks makes two frames, each of one group.
+    run = Run.objects.create(cluster=world.cluster, name="two")
+    made = framed.steps(world.cluster, None, run, [{"rank": r, "step": 3, "ts": T0, "step_time_s": 1.0}
+                                                   for r in range(2 * RANK_GROUP)])
+    assert sorted((f.rank_group, f.n, f.step_lo, f.step_hi) for f in made) == [(0, 8, 3, 3), (1, 8, 3, 3)]
+    assert fr.step_bucket_end(3) == fr.STEP_BUCKET - 1
