@@ -20,6 +20,9 @@ SCHEDULE: dict[str, tuple[str, float]] = {
     # 10 s / 1 min rollups of GPU and host samples. Pages read raw rows after the last pass, so a long interval
     # costs no freshness, and each pass recomputes less than a minute twice.
     "rollup": ("dashboard.storage.tasks.roll_up", 300.0),
+    # Which probe frames hold probes to each host (dashboard.storage.probe_index): the pages search only the frames
+    # written since the last pass by name, so it runs often (a pass at 2,048 nodes reads ~35,000 small rows).
+    "probe-index": ("dashboard.storage.tasks.index_probes", 15.0),
     "alerts-sweep": ("dashboard.alerts.tasks.sweep", 1.0),
     "diagnosis": ("dashboard.diagnosis.tasks.diagnose", float(settings.CLUSTERDX["DIAGNOSIS_INTERVAL_S"])),
     # MFU per step and goodput per run (dashboard.diagnosis.efficiency): figures, not alarms; every 10 s is fresh enough.

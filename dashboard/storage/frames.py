@@ -349,3 +349,14 @@ def newest(kind: Kind, **filters: Any) -> float | None:
         return None
     rows = read(kind, t0=top.timestamp() - FRAME_S, **filters)
     return float(rows["ts"].max())
+
+
+def concat(kind: Kind, parts: list[Rows]) -> Rows:
+    """One :class:`Rows` of several reads' (the same frame columns and object fields asked of each)."""
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return Rows(kind, np.empty((0, len(kind.numbers))), {}, {})
+    return Rows(kind, np.concatenate([p.mat for p in parts]),
+                {c: np.concatenate([p.cols[c] for p in parts]) for c in parts[0].cols},
+                {f: [v for p in parts for v in p.objs[f]] for f in parts[0].objs})

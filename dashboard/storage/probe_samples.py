@@ -9,8 +9,9 @@ never frames or querysets. Derived values (a probe's loss as a fraction or a per
 link matrix are worked out here for the same reason.
 
 Which frames: a probe goes *from* a node (the agent that sent it: the frame's ``node``, index (node, ts)) *to* a
-peer, stored by host name (the peer may be an address without an agent). The probes *to* a host are in the
-cluster's frames of the range (index (cluster, ts)) whose ``peers`` contains " host "; that match only narrows the
+peer, stored by host name (the peer may be an address without an agent). The probes *to* a host are in the frames
+the inbound index lists for it (:mod:`dashboard.storage.probe_index`, per minute) and in those written since that
+index's last pass whose ``peers`` contains " host " (a few seconds of the primary key); that match only narrows the
 frames (SQLite's LIKE ignores case), the samples are then kept by their own peer. The frames of samples taken in
 [t0, t1] are those with ``window_start(t0) <= ts <= t1`` (a frame's ``ts`` is its oldest sample's).
 """
@@ -24,6 +25,7 @@ import numpy as np
 from django.db.models import Max, Q
 
 from dashboard.storage import frames as fr
+from dashboard.storage import probe_index
 from dashboard.telemetry.models import Node
 from dashboard.web.series import TimeRange, downsample_rows
 
@@ -100,8 +102,21 @@ def from_node(node_id: int, tr: TimeRange, fields: list[str], peer: str | None =
     return _one(rows.where(_peers(rows) == peer), tr, fields)
 
 
-def _sent_to(cluster_id: int, host: str, tr: TimeRange, cols: tuple[str, ...] = ()) -> fr.Rows:
-    rows = _read(Q(cluster_id=cluster_id) & _to(host), tr, cols, peers=True)
+IDS_PER_READ = 2_000  # frame ids named in one statement (well under SQLite's bound on parameters)
+
+
+def _sent_to(cluster_id: int, host: str, tr: TimeRange, cols: tuple[str, ...] = (), but: int | None = None
+             ) -> fr.Rows:
+    """The probes the cluster's agents (``but`` one node) sent to ``host``: the frames the inbound index lists
+    (:mod:`dashboard.storage.probe_index`), and those written since its last pass, found by their ``peers`` (a
+    range of the primary key: the last seconds)."""
+    t0 = tr.first_bucket_t
+    listed, since = probe_index.frames_to(cluster_id, host, fr.window_start(t0), tr.t1)
+    listed = listed[listed <= since]  # the rest are read with the unindexed ones
+    where = [Q(id__in=listed[i:i + IDS_PER_READ].tolist()) for i in range(0, len(listed), IDS_PER_READ)]
+    where.append(Q(cluster_id=cluster_id, id__gt=since) & _to(host))
+    parts = [_read(w if but is None else w & ~Q(node_id=but), tr, cols, peers=True) for w in where]
+    rows = fr.concat(PROBES, parts)
     return rows.where(_peers(rows) == host)
 
 
@@ -128,9 +143,9 @@ def to_node_by_sender(cluster_id: int, host: str, tr: TimeRange, fields: list[st
 def of_node(cluster_id: int, node_id: int, host: str, tr: TimeRange, fields: list[str]) -> dict[str, Any] | None:
     """One series over every probe the node sent or was sent (a slow link's pairs, when only one end is known)."""
     _known(fields)
-    # Each side of the OR on an index of its own, (node, ts) and (cluster, ts), with no cluster term around it (the
-    # node is the cluster's): ANDed with one, SQLite read the cluster's whole range for both sides.
-    rows = _read(Q(node_id=node_id) | (Q(cluster_id=cluster_id) & _to(host)), tr, cols=("node_id",), peers=True)
+    # The node's own frames, and the probes to it from the others (a frame of its own is never read twice).
+    rows = fr.concat(PROBES, [_read(Q(node_id=node_id), tr, cols=("node_id",), peers=True),
+                              _sent_to(cluster_id, host, tr, cols=("node_id",), but=node_id)])
     return _one(rows.where((rows["node_id"] == node_id) | (_peers(rows) == host)), tr, fields)
 
 

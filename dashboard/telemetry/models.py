@@ -498,3 +498,28 @@ class Probe(models.Model):
         # read scanned every probe of the cluster in the range (at 2,048 nodes, millions of rows for 15 minutes).
         indexes = [models.Index(fields=["cluster", "ts"]), models.Index(fields=["node", "ts"]),
                    models.Index(fields=["cluster", "peer", "ts"])]
+
+
+class ProbeInbound(models.Model):
+    """Which probe frames hold probes *to* ``peer`` within one minute (``ts``, its start). A probe frame is kept by
+    its sender; the probes a host was sent (its node page, a node-down finding's evidence) are found through this
+    index rather than by searching the cluster's every frame of the range for the host's name. Built from the
+    frames' ``peers`` a few seconds behind ingest (:mod:`dashboard.storage.probe_index`), so ingest writes nothing
+    per probe."""
+
+    cluster = _series_ref(Cluster)
+    peer = models.CharField(max_length=253)
+    ts = models.DateTimeField()
+    n = models.PositiveIntegerField()  # frames listed
+    frames = models.BinaryField()  # their ids, ascending: LZ4-packed little-endian int64 differences
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["cluster", "peer", "ts"], name="probe_inbound_minute")]
+        indexes = [models.Index(fields=["ts"], name="probe_inbound_ts")]  # retention on SQLite
+
+
+class ProbeIndexState(models.Model):
+    """One row: every ProbeFrame with an id up to ``seen_id`` is in the ProbeInbound index (but for frames of a
+    PostgreSQL transaction that committed later than ids above it: each pass reads a margin below again)."""
+
+    seen_id = models.BigIntegerField(default=0)

@@ -257,15 +257,16 @@ def test_a_host_is_matched_by_its_whole_name(world: World) -> None:
 @pytest.mark.django_db
 def test_each_read_is_one_query(mesh: Mesh) -> None:
     """No read grows with the nodes or the frames it touches: one query each (newest: the newest frame's time, then
-    the frames of its window on)."""
+    the frames of its window on; the probes to a host: the inbound index's mark and rows, then the frames, a query
+    per 2,000 listed and one for the unindexed)."""
     cid, n0, n1 = mesh.cluster.id, mesh.nodes["n0"], mesh.nodes["n1"]
     calls: list[tuple[int, Callable[[], Any]]] = [
         (1, lambda: probe_samples.from_node(n0.id, TR, ["rtt_ms", "loss"])),
         (1, lambda: probe_samples.from_node(n0.id, TR, ["rtt_ms"], peer="n1")),
-        (1, lambda: probe_samples.to_node(cid, "n1", TR, ["loss_pct"])),
+        (3, lambda: probe_samples.to_node(cid, "n1", TR, ["loss_pct"])),
         (1, lambda: probe_samples.from_node_by_peer(n0.id, TR, ["rtt_ms"])),
-        (1, lambda: probe_samples.to_node_by_sender(cid, "n1", TR, ["rtt_ms"])),
-        (1, lambda: probe_samples.of_node(cid, n0.id, "n0", TR, ["rtt_ms"])),
+        (3, lambda: probe_samples.to_node_by_sender(cid, "n1", TR, ["rtt_ms"])),
+        (4, lambda: probe_samples.of_node(cid, n0.id, "n0", TR, ["rtt_ms"])),
         (1, lambda: probe_samples.of_pair((n0.id, "n0"), (n1.id, "n1"), TR, ["rtt_ms"])),
         (1, lambda: probe_samples.across(cid, ["n0", "n1"], TR, ["rtt_ms"])),
         (1, lambda: probe_samples.pair_buckets(cid, TR, 30.0, 10_000)),
@@ -289,29 +290,39 @@ def _plan(sql: str) -> str:
 @pytest.mark.django_db
 def test_the_frames_are_read_by_an_index_range_never_a_scan(mesh: Mesh) -> None:
     """Every frame query is an index range, bounded by the range's time on both sides: (node, ts) for a node's
-    probes (each side of an OR on its own, a switch's nodes each), (cluster, ts) for the cluster's and for the probes
-    to a host."""
+    probes (each side of an OR on its own, a switch's nodes each), (cluster, ts) for the cluster's; the probes to a
+    host are the frames the inbound index lists (by id) and the unindexed ones past its mark (the primary key's range,
+    or (cluster, ts): whichever SQLite deems narrower)."""
     if connection.vendor != "sqlite":
         pytest.skip("the plan checked is SQLite's (PostgreSQL plans these few rows with a sequential scan)")
+    from dashboard.storage import probe_index
+
     cid, n0, n1 = mesh.cluster.id, mesh.nodes["n0"], mesh.nodes["n1"]
     node, cluster = "telemetry_p_node_id_a5fa84_idx (node_id=? AND ts>? AND ts<?)", \
         "telemetry_p_cluster_bab882_idx (cluster_id=? AND ts>? AND ts<?)"
-    calls: list[tuple[list[str], Callable[[], Any]]] = [
-        ([node], lambda: probe_samples.from_node(n0.id, TR, ["rtt_ms"], peer="n1")),
-        ([cluster], lambda: probe_samples.to_node_by_sender(cid, "n1", TR, ["rtt_ms"])),
-        ([node, cluster], lambda: probe_samples.of_node(cid, n0.id, "n0", TR, ["rtt_ms"])),
-        ([node, node], lambda: probe_samples.of_pair((n0.id, "n0"), (n1.id, "n1"), TR, ["rtt_ms"])),
-        ([node], lambda: probe_samples.across(cid, ["n0", "n1"], TR, ["rtt_ms"])),
-        ([cluster], lambda: probe_samples.pair_buckets(cid, TR, 30.0, 10_000)),
-        ([cluster], lambda: probe_samples.newest(cid, TR)),
+    by_id, past = "INTEGER PRIMARY KEY (rowid=?)", "INTEGER PRIMARY KEY (rowid>?)"
+    inbound = [cluster, past, by_id]
+    # (each frame query's plan: the index uses it must show, and which they may be)
+    calls: list[tuple[int, list[str], Callable[[], Any]]] = [
+        (1, [node], lambda: probe_samples.from_node(n0.id, TR, ["rtt_ms"], peer="n1")),
+        (1, inbound, lambda: probe_samples.to_node_by_sender(cid, "n1", TR, ["rtt_ms"])),
+        (1, [node, *inbound], lambda: probe_samples.of_node(cid, n0.id, "n0", TR, ["rtt_ms"])),
+        (2, [node], lambda: probe_samples.of_pair((n0.id, "n0"), (n1.id, "n1"), TR, ["rtt_ms"])),
+        (1, [node], lambda: probe_samples.across(cid, ["n0", "n1"], TR, ["rtt_ms"])),
+        (1, [cluster], lambda: probe_samples.pair_buckets(cid, TR, 30.0, 10_000)),
+        (1, [cluster], lambda: probe_samples.newest(cid, TR)),
         # Whether a link is still kept at all: the node's frames, whatever their time.
-        (["telemetry_p_node_id_a5fa84_idx (node_id=?)"], lambda: probe_samples.exists(cid, n0.id, BARE)),
+        (1, ["telemetry_p_node_id_a5fa84_idx (node_id=?)"], lambda: probe_samples.exists(cid, n0.id, BARE)),
     ]
-    for indexes, call in calls:
-        with CaptureQueriesContext(connection) as seen:
-            call()
-        plans = [_plan(q["sql"]) for q in seen.captured_queries if '"telemetry_probeframe"' in q["sql"]]
-        assert plans, seen.captured_queries
-        for plan in plans:
-            assert "SCAN telemetry_probeframe" not in plan, plan
-            assert [i for i in indexes if i in plan] == indexes and plan.count("telemetry_p_") == len(indexes), plan
+    for indexed in (False, True):
+        if indexed:
+            probe_index.update()  # now the probes to a host are read through the inbound index's ids too
+        for uses, allowed, call in calls:
+            with CaptureQueriesContext(connection) as seen:
+                call()
+            plans = [_plan(q["sql"]) for q in seen.captured_queries if '"telemetry_probeframe"' in q["sql"]]
+            assert plans, seen.captured_queries
+            for plan in plans:
+                assert "SCAN telemetry_probeframe" not in plan, plan
+                frames = [p for p in plan.split(" | ") if "telemetry_probeframe" in p]  # not a join's node lookup
+                assert len(frames) == uses and all(any(a in p for a in allowed) for p in frames), plan
