@@ -56,17 +56,28 @@ def _bodies(nodes: int, seconds: int, prefix: str) -> list[list[bytes]]:
 
     start = time.time() - seconds - 2
     sim = SimCluster(parse({"cluster": {"nodes": nodes, "gpus_per_node": 8, "seed": 3}}), start, agent_prefix=prefix)
-    return [[json.dumps(b, separators=(",", ":")).encode() for b in sim.tick(start + t)] for t in range(1, seconds + 1)]
+    encode = _encoder()
+    return [[json.dumps(encode(b), separators=(",", ":")).encode() for b in sim.tick(start + t)]
+            for t in range(1, seconds + 1)]
 
 
 KEEP_RECORDS = True  # as the server's ingest parses (--dicts: every record a dict, as before 2026-12-03)
+WIRE = 1  # --wire 2: the GPU samples, steps, probes and beats as column blocks (clusterdx.blocks)
+
+
+def _encoder() -> Any:
+    from clusterdx import blocks
+
+    return blocks.encode_batch if WIRE == 2 else (lambda b: b)
 
 
 def _validate(body: bytes) -> tuple[dict[str, Any], str]:
     from clusterdx import wire
+    from dashboard.ingest import blocks
 
     # What the server runs: the compiled decoder (the reference path only words the errors of refused batches).
-    return wire.parse_batch(body, keep_records=KEEP_RECORDS), hashlib.sha256(body).hexdigest()
+    batch = blocks.parse(body) if WIRE == 2 else wire.parse_batch(body, keep_records=KEEP_RECORDS)
+    return batch, hashlib.sha256(body).hexdigest()
 
 
 def _checkpoint() -> float:
@@ -120,11 +131,12 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=64, help="batches per commit in the group mode")
     ap.add_argument("--dicts", action="store_true", help="parse every record into a dict (the path before the "
                     "server kept the GPU samples, steps and probes as the decoder's records)")
+    ap.add_argument("--wire", type=int, choices=(1, 2), default=1, help="the wire version of the bodies")
     ap.add_argument("--server-gc", action="store_true", help="tune the garbage collector as the server does at its "
                     "first batch (gc.freeze, a young collection every 50,000 allocations)")
     args = ap.parse_args()
-    global KEEP_RECORDS
-    KEEP_RECORDS = not args.dicts
+    global KEEP_RECORDS, WIRE
+    KEEP_RECORDS, WIRE = not args.dicts, args.wire
     _setup(args.backend)
     from django.db import connection
 
@@ -133,7 +145,8 @@ def main() -> None:
 
         asgi._tune_gc()
 
-    print(f"backend {connection.vendor}, {args.nodes} nodes x 8 GPUs x {args.seconds} s, group of {args.group}")
+    print(f"backend {connection.vendor}, {args.nodes} nodes x 8 GPUs x {args.seconds} s, group of {args.group}, "
+          f"wire version {args.wire}")
     results = {mode: run(mode, args.nodes, args.seconds, args.group) for mode in ("per-batch", "group")}
     for mode, r in results.items():
         print(f"{mode:>9}: {r['batches']:.0f} batches, CPU per batch (= per node-second): parse+validate "

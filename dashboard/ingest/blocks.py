@@ -33,14 +33,17 @@ from clusterdx.blocks import BLOCK_WIRE_VERSION, BLOCKED, LAYOUTS, Column, Layou
 from clusterdx.blocks import records as _records
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Block:
     """One post's block of one kind: ``mat`` has a row per record and a column per numeric field in the layout's
-    order (a column the post left out is NaN); ``cols`` has every other field's values, a list of ``n`` each."""
+    order (a column the post left out is NaN); ``cols`` has every other field's values, a list of ``n`` each.
+    ``checked``: whether its numbers were checked yet (the fast path leaves that to the group writer,
+    :func:`check_posts`, which checks a whole group's blocks at once)."""
 
     kind: str
     mat: np.ndarray
     cols: dict[str, list[Any]]
+    checked: bool = True
 
     def __len__(self) -> int:
         return len(self.mat)
@@ -249,6 +252,30 @@ def check(blocks: list[Block]) -> None:
             row -= len(b.mat)
 
 
+def check_posts(batches: list[dict[str, Any]]) -> list[wire.WireError | None]:
+    """The numbers of every block the fast path left unchecked in ``batches``, a whole group's of a kind as one
+    matrix (at a post's eight rows numpy's cost is per call, not per value: a check per post was most of parsing
+    one); the refusal of each batch, or None. Blocks found good are marked checked."""
+    out: list[wire.WireError | None] = [None] * len(batches)
+    by_kind: dict[str, list[tuple[int, Block]]] = {}
+    for i, batch in enumerate(batches):
+        for kind in BLOCKED:
+            blk = batch.get(kind)
+            if type(blk) is Block and not blk.checked:
+                by_kind.setdefault(kind, []).append((i, blk))
+    for kind, group in by_kind.items():
+        mats = [b.mat for _, b in group]
+        if first_bad(kind, mats[0] if len(mats) == 1 else np.concatenate(mats)) is not None:
+            for i, blk in group:  # which posts: each alone, worded as the reference path words it
+                try:
+                    check([blk])
+                except wire.WireError as exc:
+                    out[i] = out[i] or exc
+        for _, blk in group:
+            blk.checked = True
+    return out
+
+
 def records(block: Block) -> list[dict[str, Any]]:
     """The block's records as version 1's dicts (fields in declaration order, None where null)."""
     return _records(block.kind, block.mat.tolist(), block.cols)
@@ -404,8 +431,6 @@ def _fast_block(kind: str, raw: Any) -> Block | None:
     else:
         mat = np.full((n, len(lay.numbers)), np.nan)
         mat[:, where] = got
-    if first_bad(kind, mat) is not None:
-        return None
     cols: dict[str, list[Any]] = {}
     for f in lay.others:
         values = getattr(raw.cols, f)
@@ -418,7 +443,7 @@ def _fast_block(kind: str, raw: Any) -> Block | None:
         elif f in _NESTED[kind]:
             values = msgspec.to_builtins(values)
         cols[f] = values
-    return Block(kind, mat, cols)
+    return Block(kind, mat, cols, checked=False)  # its numbers: the group writer's (check_posts)
 
 
 _IDENTITY = {kind: list(range(len(lay.numbers))) for kind, lay in LAYOUTS.items()}
@@ -426,9 +451,10 @@ _IDENTITY = {kind: list(range(len(lay.numbers))) for kind, lay in LAYOUTS.items(
 
 def _parse_v2_fast(body: bytes) -> dict[str, Any] | None:
     """A version 2 post decoded and type-checked in one msgspec call (the envelope's records, the blocks' shapes
-    and every string and JSON value by the wire's compiled types), then each block's numbers checked as a matrix;
-    None for anything it would refuse or cannot judge (a NUL escape): the reference path (:func:`parse_v2`) then
-    decides and words it. Never looser than the reference path (tests/test_blocks.py)."""
+    and every string and JSON value by the wire's compiled types); None for anything it would refuse or cannot judge
+    (a NUL escape): the reference path (:func:`parse_v2`) then decides and words it. Its blocks' numbers are left to
+    :func:`check_posts`, which the writer runs over its whole group before it stores anything: together never looser
+    than the reference path (tests/test_blocks.py)."""
     if b"\\u0000" in body:
         return None
     try:

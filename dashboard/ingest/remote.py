@@ -40,6 +40,7 @@ from typing import Any
 
 from django.db import DatabaseError
 
+from clusterdx import wire
 from dashboard import metrics
 
 log = logging.getLogger(__name__)
@@ -303,6 +304,7 @@ def _store(answers: list[Answer | None], checked: list[Any], where: list[int]) -
     from django.core.exceptions import ObjectDoesNotExist
 
     from dashboard.ingest.commit import _drop_broken_connection
+    from dashboard.ingest.views import _refuse
     from dashboard.ingest.writer import store_group
     from dashboard.live.publish import live_part
 
@@ -322,6 +324,9 @@ def _store(answers: list[Answer | None], checked: list[Any], where: list[int]) -
         outcomes = [exc] * len(jobs)
     stored = {(cid, b["agent_id"], b["seq"]): (cid, host, live_part(b), runs) for cid, host, b, runs in _published}
     for i, (cluster, batch, _), outcome in zip(kept, jobs, outcomes, strict=True):
+        if isinstance(outcome, wire.WireError):  # numbers the group check refused: the post's 400
+            answers[i] = ("refused", _refuse("invalid_batch", str(outcome)[:500]))
+            continue
         if isinstance(outcome, Exception):
             _clusters.clear()  # a cluster deleted meanwhile is read again
             kind = "db" if isinstance(outcome, DatabaseError) else "bug"

@@ -216,6 +216,11 @@ def check_body(poster: Poster, body: bytes, gzipped: bool, limit: int) -> Checke
         return _refuse("token_scope", scope)
     skew = clock_skew(batch, time.time())
     if skew is not None:
+        # A version 2 post's numbers are checked by the group writer (blocks.check_posts): one whose time is beyond
+        # what the wire allows is refused as invalid, as version 1's would be, not as a clock ahead.
+        invalid = blocks.check_posts([batch])[0]
+        if invalid is not None:
+            return _refuse("invalid_batch", str(invalid)[:500])
         return _refuse("clock_skew", skew)
     metrics.INGEST_WIRE.labels(str(batch["v"])).inc()
     # Producers resend a batch byte for byte (the agent its spooled body): the same seq with other bytes is a
@@ -256,7 +261,7 @@ def handle_body(headers: Mapping[str, str], body: bytes | None, limit: int) -> A
     if isinstance(step, Waiting):
         try:
             return finish(step, step.future.result())
-        except DatabaseError as exc:
+        except (DatabaseError, wire.WireError) as exc:
             return finish_failed(step, exc)
     return step
 
@@ -274,9 +279,12 @@ def finish(waiting: Waiting, result: Stored | Answer) -> Answer:
 
 
 def finish_failed(waiting: Waiting, exc: Exception) -> Answer:
-    """The commit failed: a database error is a 503 the agent retries; anything else is a bug and raises (500)."""
+    """The commit failed: a database error is a 503 the agent retries; a batch whose numbers the group writer
+    refused (blocks.check_posts) a 400, as any invalid batch; anything else is a bug and raises (500)."""
     if isinstance(exc, DatabaseError):
         return _unavailable(waiting.batch, exc)
+    if isinstance(exc, wire.WireError):
+        return _refuse("invalid_batch", str(exc)[:500])
     raise exc
 
 

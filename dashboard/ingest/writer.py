@@ -22,7 +22,7 @@ from django.db import DatabaseError, IntegrityError, connection, models, transac
 from django.db.models import Q
 
 from clusterdx import wire
-from dashboard.ingest.blocks import Block, rows_of
+from dashboard.ingest.blocks import Block, check_posts, rows_of
 from dashboard.ingest.statements import statement_sizes
 from dashboard.live.publish import publish_batches, publisher
 from dashboard.storage import frames
@@ -333,7 +333,11 @@ def _committed(cluster_id: int, agent_id: str, seq: int) -> None:
 
 def store_batch(cluster: m.Cluster, batch: dict[str, Any], digest: str = "") -> Stored:
     """Store a validated batch once per (agent_id, seq). ``digest`` identifies its content (the ingest view passes
-    a SHA-256 of the JSON body): the seq again with another digest is ``seq_reused``, not a duplicate."""
+    a SHA-256 of the JSON body): the seq again with another digest is ``seq_reused``, not a duplicate. Raises the
+    WireError of a version 2 post whose numbers the wire refuses (checked here: :func:`check_posts`)."""
+    refused = check_posts([batch])[0]
+    if refused is not None:
+        raise refused
     try:
         return _store(cluster, batch, digest)
     except IntegrityError:
@@ -841,6 +845,13 @@ def store_group(jobs: list[Job]) -> list[Outcome]:
     row that a cached id points at deleted meanwhile, a value the database refuses) rolls the group back and stores
     its batches one transaction each, so one failing batch fails alone. A database that is gone fails them all
     (the caller answers 503, the agents retry)."""
+    refused = check_posts([batch for _, batch, _ in jobs])
+    if any(r is not None for r in refused):  # a version 2 post's numbers the wire refuses: its 400; the rest stored
+        keep = [i for i, r in enumerate(refused) if r is None]
+        outcomes: list[Outcome | None] = list(refused)
+        for i, outcome in zip(keep, store_group([jobs[i] for i in keep]) if keep else [], strict=True):
+            outcomes[i] = outcome
+        return [o for o in outcomes if o is not None]
     try:
         with transaction.atomic():
             return _store_set(jobs)
@@ -850,7 +861,7 @@ def store_group(jobs: list[Job]) -> list[Outcome]:
         log.warning("ingest: a group of %d batches failed (%r); storing them one by one", len(jobs), exc,
                     exc_info=not isinstance(exc, DatabaseError))
         clear_caches()
-    out: list[Outcome] = []
+    out = []
     for cluster, batch, digest in jobs:
         try:
             out.append(store_batch(cluster, batch, digest))

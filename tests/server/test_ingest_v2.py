@@ -129,6 +129,25 @@ def test_a_bad_version_2_post_is_a_400_naming_the_value(client: Any, world: Worl
     assert_refused(malformed, 400, "malformed_json", counts())
 
 
+def test_a_group_stores_its_good_posts_and_refuses_the_one_with_a_bad_number(world: World) -> None:
+    """The fast path leaves a version 2 post's numbers to the group writer, which checks a whole group's blocks at
+    once: a bad number is that post's 400 (worded as the reference path words it), the group's others are stored."""
+    from clusterdx import wire
+    from dashboard.ingest import blocks as server_blocks
+    from dashboard.ingest.writer import Stored, store_group
+
+    good = [make_batch(seq=s, host="node-000") for s in (1, 2)]
+    bad = _with_value(make_batch(seq=1, host="node-001"), "gpus", 1, "util_gpu_pct", 250.0)
+    posts = [blocks.encode_batch(good[0]), bad, good[1]]
+    jobs = [(world.cluster, server_blocks.parse(json.dumps(p).encode()), "") for p in posts]
+    assert not any(b.checked for b in (jobs[1][1]["gpus"], jobs[0][1]["steps"]))  # left to the writer
+    out = store_group(jobs)
+    assert out[0] == out[2] == Stored("accepted", 4)
+    assert isinstance(out[1], wire.WireError) and str(out[1]) == "gpus[1].util_gpu_pct: must be <= 100, got 250.0"
+    assert framed.count(fr.GPUS, cluster=world.cluster) == 4  # two posts of two GPUs: nothing of the bad one
+    assert not m.Node.objects.filter(cluster=world.cluster, hostname="node-001").exists()
+
+
 def test_the_real_server_takes_version_2(asgi_server: AsgiServer, world: World) -> None:
     """Through uvicorn and the ASGI fast path, gzip as the agent sends it."""
     batches = _sim_batches(nodes=1, seconds=2)
