@@ -1,9 +1,10 @@
-"""Rollups: per window (10 s, 1 min) and per series owner, min / mean / max / last of every numeric column of a raw
-time-series table, with the count of raw rows (``n``) and the time of the last one (``last_ts``).
+"""Rollups: per window (10 s, 1 min) and per series owner, min / mean / max / last of every numeric field of a raw
+time series (the GPU samples held in frames, the host samples' rows), with the count of raw samples (``n``) and the
+time of the last one (``last_ts``).
 
-One table per (raw table, tier), so that each tier's retention is dropping whole day partitions on PostgreSQL. Columns
-are ``<field>_<stat>``; the raw tables' numeric columns are listed here explicitly (a new wire field becomes a rollup
-column by a line here and a migration, never silently).
+One table per (raw series, tier), so that each tier's retention is dropping whole day partitions on PostgreSQL.
+Columns are ``<field>_<stat>``; the rolled-up numeric fields are listed here explicitly (a new wire field becomes a
+rollup column by a line here and a migration, never silently).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from django.db import models
 
-from dashboard.telemetry.models import Cluster, GpuSample, HostSample, Node, Run
+from dashboard.telemetry.models import Cluster, GpuFrame, GpuSample, HostSample, Node, Run
 
 STATS = ("min", "mean", "max", "last")
 TIERS = (10, 60)  # seconds; 60 is a multiple of 10, so a bucket of either tier never straddles the other's edge
@@ -45,8 +46,8 @@ def _rollup(name: str, table: str, keys: dict[str, models.Field[Any, Any]], fiel
         "node": models.ForeignKey(Node, on_delete=models.CASCADE, related_name="+"),
         **keys,
         "ts": models.DateTimeField(),
-        "n": models.IntegerField(),  # raw rows summarised: the weight when late rows are merged in
-        "last_ts": models.DateTimeField(),  # the newest raw row's time: which "last" wins when late rows are merged
+        "n": models.IntegerField(),  # raw samples summarised: the weight when late samples are merged in
+        "last_ts": models.DateTimeField(),  # the newest raw sample's time: which "last" wins when late ones are merged
     }
     for f in fields:
         for s in STATS:
@@ -71,20 +72,25 @@ GpuRollup1m = _rollup("GpuRollup1m", "storage_gpu_1m", _gpu_keys(), GPU_FIELDS)
 HostRollup10s = _rollup("HostRollup10s", "storage_host_10s", {}, HOST_FIELDS)
 HostRollup1m = _rollup("HostRollup1m", "storage_host_1m", {}, HOST_FIELDS)
 
-# raw model -> (its extra key columns, the rolled-up fields, tier seconds -> rollup model)
+GPU_TIERS: dict[int, type[models.Model]] = {10: GpuRollup10s, 60: GpuRollup1m}
+# raw model -> (the rollups' extra key columns, the rolled-up fields, tier seconds -> rollup model). GPU samples are
+# rolled up from their frames (in numpy, dashboard.storage.rollup), host samples from their rows (in SQL).
 ROLLUPS: dict[type[models.Model], tuple[tuple[str, ...], tuple[str, ...], dict[int, type[models.Model]]]] = {
-    GpuSample: (("gpu_index",), GPU_FIELDS, {10: GpuRollup10s, 60: GpuRollup1m}),
+    GpuFrame: (("gpu_index",), GPU_FIELDS, GPU_TIERS),
     HostSample: ((), HOST_FIELDS, {10: HostRollup10s, 60: HostRollup1m}),
 }
+# The row table the GPU frames replace: written beside them by ingest until it is dropped, read by nothing rolled up,
+# purged at the raw cut with the tables above.
+RETIRING: tuple[type[models.Model], ...] = (GpuSample,)
 
 
 class RollupState(models.Model):
     """One row: how far the rollup pass and the raw retention have got.
 
     ``received_through``: batches received before it (less a margin, see dashboard.storage.rollup) have been rolled
-    up. ``rolled_through``: the pass's start; the pages read rollups before it and raw rows after it.
-    ``raw_purged_through``: raw rows of the rolled-up tables older than it were purged, so a window before it can no
-    longer be recomputed from raw; late rows for it are merged into the rollup instead."""
+    up. ``rolled_through``: the pass's start; the pages read rollups before it and raw samples after it.
+    ``raw_purged_through``: raw samples (GPU frames, host rows) older than it were purged, so a window before it can
+    no longer be recomputed from raw; late samples for it are merged into the rollup instead."""
 
     received_through = models.DateTimeField(null=True)
     rolled_through = models.DateTimeField(null=True)

@@ -1,9 +1,10 @@
 """Retention of the time-series tables: whole day partitions dropped on PostgreSQL, chunked deletes on SQLite.
 
-The rolled-up raw tables (GPU, host) keep the hot window (``RAW_RETENTION_HOURS``); their cut is aligned to the
-coarsest rollup window (SQLite: the minute; PostgreSQL: the day a partition holds), and recorded as
-``RollupState.raw_purged_through``, the line below which the rollup pass merges late rows instead of recomputing
-windows. Each rollup tier keeps its own number of days.
+The rolled-up raw tables (the GPU frames, the host rows) keep the hot window (``RAW_RETENTION_HOURS``), and so does
+the GPU row table the frames replace until it is dropped (``RETIRING``); their cut is aligned to the coarsest rollup
+window (SQLite: the minute; PostgreSQL: the day a partition holds), which a frame's 10 s window never straddles, and
+recorded as ``RollupState.raw_purged_through``, the line below which the rollup pass merges late samples instead of
+recomputing windows. Each rollup tier keeps its own number of days.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from django.db import connection, models, transaction
 from django.db.models import Q
 
 from dashboard.storage import partitions
-from dashboard.storage.models import ROLLUPS, RollupState, StepRollup
+from dashboard.storage.models import RETIRING, ROLLUPS, RollupState, StepRollup
 from dashboard.storage.rollup import exclusive, floor_to, raw_horizon, roll_up
-from dashboard.telemetry.models import GpuFrame
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,9 @@ def _purge_tiers(now: datetime, chunk: int) -> int:
     deleted = 0
     cut_raw = floor_to(raw_horizon(now), max(TIER_WIDTHS))
     cuts = []
-    for raw, (_, _, tiers) in [*ROLLUPS.items(), (GpuFrame, ((), (), {}))]:
+    raws: list[tuple[type[models.Model], dict[int, type[models.Model]]]] = [
+        *((raw, tiers) for raw, (_, _, tiers) in ROLLUPS.items()), *((raw, {}) for raw in RETIRING)]
+    for raw, tiers in raws:
         cut, n = purge(raw, cut_raw, chunk)
         cuts.append(cut)
         deleted += n
@@ -89,7 +91,7 @@ def _purge_tiers(now: datetime, chunk: int) -> int:
             days = settings.CLUSTERDX["ROLLUP_10S_RETENTION_DAYS" if width == 10 else "ROLLUP_1M_RETENTION_DAYS"]
             deleted += purge(target, now - timedelta(days=days), chunk)[1]
     deleted += purge(StepRollup, now - timedelta(days=settings.CLUSTERDX["ROLLUP_1M_RETENTION_DAYS"]), chunk)[1]
-    # The lowest cut: below it every rolled-up raw table is purged (the tables share one partitioning and one cut).
+    # The lowest cut: below it every raw table is purged (the tables share one partitioning and one cut).
     # Only forward: raising RAW_RETENTION_HOURS must not make windows already purged look recomputable.
     cut = min(cuts)
     RollupState.objects.filter(Q(raw_purged_through__isnull=True) | Q(raw_purged_through__lt=cut), pk=1).update(
@@ -98,8 +100,8 @@ def _purge_tiers(now: datetime, chunk: int) -> int:
 
 
 def rolled_tables() -> list[type[models.Model]]:
-    """The raw tables that are rolled up and their rollup tables."""
-    return [*ROLLUPS, GpuFrame, *(t for _, _, tiers in ROLLUPS.values() for t in tiers.values())]
+    """The raw tables that are rolled up, then the retiring row table, then the rollup tables."""
+    return [*ROLLUPS, *RETIRING, *(t for _, _, tiers in ROLLUPS.values() for t in tiers.values())]
 
 
 TIER_WIDTHS = sorted({w for _, _, tiers in ROLLUPS.values() for w in tiers})

@@ -1,11 +1,11 @@
 """The node page and the GPU view: their APIs on real data (the simulator through the real writer and diagnosis pass,
-or batches over HTTP), downsampling in SQL on SQLite and PostgreSQL, who may see them, and the pages in Chromium."""
+or batches over HTTP), the GPU samples downsampled from their frames on SQLite and PostgreSQL, who may see them, and
+the pages in Chromium."""
 
 from __future__ import annotations
 
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +14,11 @@ from django.test import RequestFactory
 
 from collectors.sim.model import SimCluster
 from dashboard.diagnosis.models import Finding
-from dashboard.telemetry.models import GpuSample, Node
+from dashboard.storage import gpu_samples
+from dashboard.telemetry.models import Node
 from dashboard.web.links import gpu_url, node_url
-from dashboard.web.series import TimeRange, downsample, parse_range
+from dashboard.web.series import TimeRange, parse_range
+from tests.server import framed
 from tests.server.conftest import AsgiServer, World, make_batch, off_site_assets, post
 from tests.server.test_diagnosis_pass import Feed
 
@@ -28,24 +30,26 @@ def _api(client: Any, host: str, suffix: str = "", **params: Any) -> Any:
 
 
 def _gpu_rows(world: World, node: Node, t0: float, seconds: int, gpus: int = 2) -> None:
-    """One sample per GPU per second (util = the second modulo 100, so every bucket's min/mean/max is known)."""
-    GpuSample.objects.bulk_create([
-        GpuSample(cluster=world.cluster, node=node, gpu_index=g, ts=datetime.fromtimestamp(t0 + s, UTC),
-                  util_gpu_pct=float(s % 100), power_w=300.0 + g, power_limit_w=700.0, ecc_sbe_aggregate=s // 60,
-                  throttle_reasons=["sw_power_cap"] if 100 <= s < 160 else [])
-        for s in range(seconds) for g in range(gpus)], batch_size=5000)
+    """One sample per GPU per second (util = the second modulo 100, so every bucket's min/mean/max is known), posted
+    every second as ingest frames a post."""
+    for s in range(seconds):
+        framed.gpus(world.cluster, node, [
+            {"ts": t0 + s, "index": g, "util_gpu_pct": float(s % 100), "power_w": 300.0 + g, "power_limit_w": 700.0,
+             "ecc_sbe_aggregate": s // 60, "throttle_reasons": ["sw_power_cap"] if 100 <= s < 160 else []}
+            for g in range(gpus)])
 
 
-# -- dashboard.web.series on this database (the suite runs this file on SQLite and on PostgreSQL) -------------------
+# -- a node's GPU samples downsampled from their frames on this database (the suite runs this file on SQLite and on
+# PostgreSQL) ---------------------------------------------------------------------------------------------------------
 
 @pytest.mark.django_db
-def test_downsample_buckets_match_the_raw_rows(world: World) -> None:
+def test_downsample_buckets_match_the_raw_samples(world: World) -> None:
     node = Node.objects.create(cluster=world.cluster, hostname="node-x")
     t0 = 1_700_000_040.0  # a whole minute: buckets of 60 s hold seconds 0..59 of each minute
     _gpu_rows(world, node, t0, 600)
     tr = TimeRange(t0, t0 + 599, points=10)
     assert tr.bucket_s == 60
-    out = downsample(GpuSample.objects.filter(node=node), tr, ["util_gpu_pct", "power_w"], by=["gpu_index"])
+    out = gpu_samples.buckets(node.id, tr, ["util_gpu_pct", "power_w"])
     assert sorted(out) == ["0", "1"]
     s = out["1"]
     assert len(s["t"]) == 10 and s["t"][0] == t0 and s["t"][1] - s["t"][0] == 60
@@ -63,9 +67,9 @@ def test_downsample_computes_only_the_statistics_asked_for_with_the_same_values(
     _gpu_rows(world, node, t0, 600)
     tr = TimeRange(t0, t0 + 599, points=10)
     fields = ["util_gpu_pct", "power_limit_w", "ecc_sbe_aggregate"]
-    full = downsample(GpuSample.objects.filter(node=node), tr, fields, by=["gpu_index"])
+    full = gpu_samples.buckets(node.id, tr, fields)
     keep = {"util_gpu_pct": ("min", "mean", "max"), "power_limit_w": ("max",), "ecc_sbe_aggregate": ("max",)}
-    part = downsample(GpuSample.objects.filter(node=node), tr, fields, by=["gpu_index"], keep=keep)
+    part = gpu_samples.buckets(node.id, tr, fields, keep=keep)
     for gpu in ("0", "1"):
         assert part[gpu]["t"] == full[gpu]["t"]
         for f, stats in keep.items():
@@ -84,7 +88,7 @@ def test_a_range_returns_no_more_buckets_than_points(world: World) -> None:
     for points in (900, 300, 77):
         req = RequestFactory().get("/", {"range": "15m", "points": points})
         tr = parse_range(req, now=now + 0.5)
-        s = downsample(GpuSample.objects.filter(node=node), tr, ["util_gpu_pct"])[""]
+        s = gpu_samples.buckets(node.id, tr, ["util_gpu_pct"])["0"]
         assert len(s["t"]) <= points, (points, len(s["t"]))
         assert len(s["t"]) >= 900 // tr.bucket_s - 1, "the range is still covered"
 
@@ -96,7 +100,7 @@ def test_whole_second_samples_keep_their_own_second(world: World) -> None:
     node = Node.objects.create(cluster=world.cluster, hostname="node-x")
     t0 = 1_750_000_000.0
     _gpu_rows(world, node, t0, 120, gpus=1)
-    s = downsample(GpuSample.objects.filter(node=node), TimeRange(t0, t0 + 119.5, points=120), ["util_gpu_pct"])[""]
+    s = gpu_samples.buckets(node.id, TimeRange(t0, t0 + 119.5, points=120), ["util_gpu_pct"])["0"]
     assert s["t"] == [t0 + i for i in range(120)]
     assert s["util_gpu_pct"]["min"] == s["util_gpu_pct"]["max"] == [float(i % 100) for i in range(120)]
 
@@ -181,13 +185,15 @@ def _plans(queries: list[dict[str, str]], table: str) -> list[str]:
     return plans
 
 
-def test_probes_to_a_node_are_read_by_index_not_by_scanning_the_cluster(client: Any, world: World, sim: Feed) -> None:
-    """Every query of the probes table the node page and a node-down finding's evidence make is answered from an
-    index that names the node (as sender or as peer), never from (cluster, ts): that one read every probe of the
-    cluster in the range (29 ms for 57 rows among 116,000 at 2,048 nodes after 45 s; 0.6 ms by the index)."""
+def test_probes_of_a_node_are_read_by_index_ranges_never_by_scanning(client: Any, world: World, sim: Feed) -> None:
+    """Every query of the probe frames the node page and a node-down finding's evidence make is an index search,
+    never a scan of the table: the probes a node sent along (node, ts); the probes sent to it by the ids the inbound
+    index lists (the primary key), and those written since that index's last pass along (cluster, ts), bounded by
+    the range (dashboard.storage.probe_samples)."""
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
+    from dashboard.storage import probe_index
     from dashboard.web import evidence
     from dashboard.web.pages import node_series
 
@@ -196,21 +202,25 @@ def test_probes_to_a_node_are_read_by_index_not_by_scanning_the_cluster(client: 
     node = Node.objects.get(hostname="node-002")
     now = time.time()
     finding = Finding(cluster=world.cluster, node=node, kind="node_down", subject=node.hostname)
+    assert probe_index.update() > 0  # most of the range indexed, as the 15 s task keeps it
     with CaptureQueriesContext(connection) as seen:
         series = node_series.probe_series(node, TimeRange(now - 900, now, 100))
         got = evidence._pair_probes(finding, TimeRange(now - 900, now, 100), ["rtt_ms"])
     assert {p["direction"] for p in series["peers"]} == {"in", "out"} and got and got["t"]
-    plans = _plans(seen.captured_queries, "telemetry_probe")
-    assert len(plans) >= 5, plans
+    plans = _plans(seen.captured_queries, "telemetry_probeframe")
+    assert len(plans) >= 3, plans
+    assert not _plans(seen.captured_queries, "telemetry_probe"), "the row table is read no more"
+    ways = ("(node_id=? AND ts>", "INTEGER PRIMARY KEY (rowid=?)")
     for plan in plans:
-        assert "SCAN telemetry_probe" not in plan and "(cluster_id=? AND ts>" not in plan, plan
-    assert any("(cluster_id=? AND peer=? AND ts>" in plan for plan in plans), plans
+        assert "SCAN telemetry_probeframe" not in plan, plan
+        assert any(w in plan for w in (*ways, "(cluster_id=? AND ts>")), plan
+    assert all(any(w in plan for plan in plans) for w in ways), plans
 
 
 def test_a_nodes_and_a_gpus_samples_are_read_by_the_node_index(client: Any, world: World, sim: Feed) -> None:
-    """Every query of the GPU samples the node page, the GPU view and a GPU or node-down finding's evidence make is
-    answered from the (node, ts) index (migration telemetry 0013: a GPU's rows are its node's rows, kept), never by
-    scanning the table or the cluster's range."""
+    """Every query of the GPU frames the node page, the GPU view and a GPU or node-down finding's evidence make is
+    answered from the (node, ts) index (a GPU's samples are in its node's frames), never by scanning the table or the
+    cluster's range."""
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
@@ -232,11 +242,13 @@ def test_a_nodes_and_a_gpus_samples_are_read_by_the_node_index(client: Any, worl
         evidence._throttling(gpu_finding, Thresholds(), now - 60, now)
         evidence._node_down(down, Thresholds(), now - 60, now)
     assert sorted(whole["gpus"]) == ["0", "1"] and list(one["gpus"]) == ["1"] and sorted(latest) == [0, 1]
-    plans = _plans(seen.captured_queries, "telemetry_gpusample")
-    assert len(plans) >= 8, plans  # the series and bands twice, each GPU's latest row, the two findings' evidence
+    plans = _plans(seen.captured_queries, "telemetry_gpuframe")
+    # The series and bands twice, the node's newest frame and the GPUs' latest samples, the two findings' evidence.
+    assert len(plans) >= 8, plans
+    assert not _plans(seen.captured_queries, "telemetry_gpusample"), "the row table is read no more"
     for plan in plans:
-        assert "SCAN telemetry_gpusample" not in plan and "(cluster_id=? AND ts" not in plan, plan
-        assert "telemetry_g_node_id_cb4480_idx (node_id=?" in plan, plan
+        assert "SCAN telemetry_gpuframe" not in plan and "(cluster_id=? AND ts" not in plan, plan
+        assert "telemetry_g_node_id_b54e8f_idx (node_id=?" in plan, plan
 
 
 @pytest.mark.django_db
@@ -244,9 +256,8 @@ def test_a_day_of_samples_comes_back_downsampled(client: Any, world: World) -> N
     """24 h asked with ?points=200: every series holds at most 200 buckets, whatever the raw count."""
     node = Node.objects.create(cluster=world.cluster, hostname="node-x")
     now = time.time()
-    GpuSample.objects.bulk_create([
-        GpuSample(cluster=world.cluster, node=node, gpu_index=0, ts=datetime.fromtimestamp(now - 86400 + 7 * s, UTC),
-                  util_gpu_pct=float(s % 100)) for s in range(86400 // 7)], batch_size=5000)
+    framed.gpus(world.cluster, node, [{"ts": now - 86400 + 7 * s, "index": 0, "util_gpu_pct": float(s % 100)}
+                                      for s in range(86400 // 7)])
     client.force_login(world.owner)
     body = _api(client, "node-x", "/series", range="24h", points=200).json()
     s = body["gpus"]["0"]
