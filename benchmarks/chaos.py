@@ -452,16 +452,17 @@ class Suite:
                 agent.hooks.close()
 
     def stored(self) -> tuple[dict[tuple[str, int], tuple[int, int]], dict[str, int], int]:
-        """(agent, seq) -> (rows with that key, records) from AgentBatch; GPU rows per host; step rows."""
+        """(agent, seq) -> (rows with that key, records) from AgentBatch; GPU samples per host; steps."""
         import psycopg
 
         with psycopg.connect(self.pg.url, connect_timeout=10) as conn:
             batches = {(a, s): (n, r) for a, s, n, r in conn.execute(
                 "SELECT agent_id, seq, count(*), max(records) FROM telemetry_agentbatch GROUP BY agent_id, seq")}
+            # GPU samples and steps are stored as frames (dashboard.storage.frames): a frame's ``n`` is its samples.
             gpu_rows = dict(conn.execute(  # type: ignore[arg-type]
-                "SELECT n.hostname, count(*) FROM telemetry_gpusample g JOIN telemetry_node n ON n.id = g.node_id "
+                "SELECT n.hostname, sum(g.n) FROM telemetry_gpuframe g JOIN telemetry_node n ON n.id = g.node_id "
                 "GROUP BY n.hostname").fetchall())
-            steps = conn.execute("SELECT count(*) FROM telemetry_stepsample").fetchone()
+            steps = conn.execute("SELECT coalesce(sum(n), 0) FROM telemetry_stepframe").fetchone()
         return batches, gpu_rows, int(steps[0]) if steps else 0
 
     def close(self) -> None:

@@ -35,13 +35,11 @@ _encode_json = msgspec.json.Encoder().encode
 # Wire field -> column copies. Wire fields handled elsewhere (inventory, ids, timestamps) are listed as exceptions;
 # tests/server/test_wire_columns.py fails when a wire field has neither a column nor an exception, so a field added
 # to the wire format can never be silently dropped here.
+# GPU samples, steps and probes are frames (dashboard.storage.frames), held to the wire by test_wire_columns too.
 WIRE_NOT_COLUMNS: dict[type[wire.Record], set[str]] = {
-    wire.GpuSample: {"ts", "index", "uuid", "name", "pci_bus_id"},
     wire.HostSample: {"ts"},
     wire.PortSample: {"ts"},
-    wire.Step: {"ts", "run"},
     wire.Event: {"ts", "run"},
-    wire.Probe: {"ts"},
 }
 
 
@@ -49,13 +47,10 @@ def _columns(record: type[wire.Record]) -> list[str]:
     return [f for f in wire.field_names(record) if f not in WIRE_NOT_COLUMNS[record]]
 
 
-GPU_FIELDS = _columns(wire.GpuSample)
 _GPU_ID = wire.Fields("index", "uuid", "name", "pci_bus_id")
 HOST_FIELDS = _columns(wire.HostSample)
 PORT_FIELDS = _columns(wire.PortSample)
-STEP_FIELDS = _columns(wire.Step)
 EVENT_FIELDS = _columns(wire.Event)
-PROBE_FIELDS = _columns(wire.Probe)
 LAST_SEEN_EVERY_S = 5.0
 RUN_ADVANCE_EVERY_S = 1.0
 # How often an unchanged interface list is stamped again on its node (the loader trusts a list for an hour).
@@ -672,12 +667,9 @@ def _table(model: type[models.Model], names: list[str]) -> _Table:
     return table
 
 
-GPU_COLS = ["cluster", "node", "gpu_index", "ts", *GPU_FIELDS]
 HOST_COLS = ["cluster", "node", "ts", *HOST_FIELDS]
 PORT_COLS = ["cluster", "node", "ts", *PORT_FIELDS]
-STEP_COLS = ["cluster", "node", "run", "ts", *STEP_FIELDS]
 EVENT_COLS = ["cluster", "node", "run", "ts", *EVENT_FIELDS]
-PROBE_COLS = ["cluster", "node", "ts", *PROBE_FIELDS]
 
 
 # The frame tables (dashboard.storage.frames): a post's GPU samples, steps and probes, a row per frame.
@@ -690,9 +682,8 @@ RANK_COLS = ["run", "rank", "node", "local_rank", "gpu_index", "meta", "updated_
 RANKS_BY_NUMBER = 2000
 GPU_INVENTORY_COLS = ["node", "index", "uuid", "name", "pci_bus_id"]
 SERIES: list[tuple[type[models.Model], list[str]]] = [
-    (m.GpuSample, GPU_COLS), (m.HostSample, HOST_COLS), (m.PortSample, PORT_COLS), (m.StepSample, STEP_COLS),
-    (m.Event, EVENT_COLS), (m.Probe, PROBE_COLS), (m.GpuFrame, GPU_FRAME_COLS), (m.StepFrame, STEP_FRAME_COLS),
-    (m.ProbeFrame, PROBE_FRAME_COLS)]
+    (m.HostSample, HOST_COLS), (m.PortSample, PORT_COLS), (m.Event, EVENT_COLS), (m.GpuFrame, GPU_FRAME_COLS),
+    (m.StepFrame, STEP_FRAME_COLS), (m.ProbeFrame, PROBE_FRAME_COLS)]
 Rows = dict[type[models.Model], list[list[Any]]]  # model -> rows (in its column order) still to insert
 
 
@@ -703,9 +694,8 @@ def _new_rows() -> Rows:
 # Each table's record fields in its column order after (cluster, node): from dicts or from the compiled records the
 # ingest path keeps (wire.parse_batch's keep_records). The sample time (and a step's or event's run name) is read
 # with them and turned into its column's value after.
-_GPU = wire.Fields("index", "ts", *GPU_FIELDS)
-_HOST, _PORT, _PROBE = (wire.Fields("ts", *f) for f in (HOST_FIELDS, PORT_FIELDS, PROBE_FIELDS))
-_STEP, _EVENT = wire.Fields("run", "ts", *STEP_FIELDS), wire.Fields("run", "ts", *EVENT_FIELDS)
+_HOST, _PORT = (wire.Fields("ts", *f) for f in (HOST_FIELDS, PORT_FIELDS))
+_EVENT = wire.Fields("run", "ts", *EVENT_FIELDS)
 
 
 def _collect_series(rows: Rows, cluster: m.Cluster, node_id: int, batch: dict[str, Any], runs: dict[str, int],
@@ -737,12 +727,9 @@ def _collect_series(rows: Rows, cluster: m.Cluster, node_id: int, batch: dict[st
             if run:
                 row[2] = runs[row[2]] if row[2] else None  # an event may belong to no run
 
-    add(m.GpuSample, _GPU, batch["gpus"], 3)
     add(m.HostSample, _HOST, batch["hosts"], 2)
     add(m.PortSample, _PORT, batch["ports"], 2)
-    add(m.StepSample, _STEP, batch["steps"], 3, run=True)
     add(m.Event, _EVENT, batch["events"], 3, run=True)
-    add(m.Probe, _PROBE, batch["probes"], 2)
     for kind in frames.KINDS.values():
         if batch[kind.name]:
             _add_frames(rows, kind, c, n, batch[kind.name], runs, times)

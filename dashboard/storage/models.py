@@ -13,7 +13,7 @@ from typing import Any
 
 from django.db import models
 
-from dashboard.telemetry.models import Cluster, GpuFrame, GpuSample, HostSample, Node, Run
+from dashboard.telemetry.models import Cluster, GpuFrame, HostSample, Node, Run
 
 STATS = ("min", "mean", "max", "last")
 TIERS = (10, 60)  # seconds; 60 is a multiple of 10, so a bucket of either tier never straddles the other's edge
@@ -79,10 +79,6 @@ ROLLUPS: dict[type[models.Model], tuple[tuple[str, ...], tuple[str, ...], dict[i
     GpuFrame: (("gpu_index",), GPU_FIELDS, GPU_TIERS),
     HostSample: ((), HOST_FIELDS, {10: HostRollup10s, 60: HostRollup1m}),
 }
-# The row table the GPU frames replace: written beside them by ingest until it is dropped, read by nothing rolled up,
-# purged at the raw cut with the tables above.
-RETIRING: tuple[type[models.Model], ...] = (GpuSample,)
-
 
 class RollupState(models.Model):
     """One row: how far the rollup pass and the raw retention have got.
@@ -95,7 +91,7 @@ class RollupState(models.Model):
     received_through = models.DateTimeField(null=True)
     rolled_through = models.DateTimeField(null=True)
     raw_purged_through = models.DateTimeField(null=True)
-    # The newest StepSample id the step rollup had seen: rows above it (less a margin for ids that commit out of
+    # The newest StepFrame id the step rollup had seen: rows above it (less a margin for ids that commit out of
     # order) are the ones whose steps it checks for late rows.
     step_seen_id = models.BigIntegerField(null=True)
 

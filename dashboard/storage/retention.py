@@ -1,10 +1,9 @@
 """Retention of the time-series tables: whole day partitions dropped on PostgreSQL, chunked deletes on SQLite.
 
-The rolled-up raw tables (the GPU frames, the host rows) keep the hot window (``RAW_RETENTION_HOURS``), and so does
-the GPU row table the frames replace until it is dropped (``RETIRING``); their cut is aligned to the coarsest rollup
-window (SQLite: the minute; PostgreSQL: the day a partition holds), which a frame's 10 s window never straddles, and
-recorded as ``RollupState.raw_purged_through``, the line below which the rollup pass merges late samples instead of
-recomputing windows. Each rollup tier keeps its own number of days.
+The rolled-up raw tables (the GPU frames, the host rows) keep the hot window (``RAW_RETENTION_HOURS``); their cut
+is aligned to the coarsest rollup window (SQLite: the minute; PostgreSQL: the day a partition holds), which a frame's
+10 s window never straddles, and recorded as ``RollupState.raw_purged_through``, the line below which the rollup
+pass merges late samples instead of recomputing windows. Each rollup tier keeps its own number of days.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from django.db import connection, models, transaction
 from django.db.models import Q
 
 from dashboard.storage import partitions
-from dashboard.storage.models import RETIRING, ROLLUPS, RollupState, StepRollup
+from dashboard.storage.models import ROLLUPS, RollupState, StepRollup
 from dashboard.storage.rollup import exclusive, floor_to, raw_horizon, roll_up
 
 log = logging.getLogger(__name__)
@@ -81,9 +80,7 @@ def _purge_tiers(now: datetime, chunk: int) -> int:
     deleted = 0
     cut_raw = floor_to(raw_horizon(now), max(TIER_WIDTHS))
     cuts = []
-    raws: list[tuple[type[models.Model], dict[int, type[models.Model]]]] = [
-        *((raw, tiers) for raw, (_, _, tiers) in ROLLUPS.items()), *((raw, {}) for raw in RETIRING)]
-    for raw, tiers in raws:
+    for raw, (_, _, tiers) in ROLLUPS.items():
         cut, n = purge(raw, cut_raw, chunk)
         cuts.append(cut)
         deleted += n
@@ -101,7 +98,7 @@ def _purge_tiers(now: datetime, chunk: int) -> int:
 
 def rolled_tables() -> list[type[models.Model]]:
     """The raw tables that are rolled up, then the retiring row table, then the rollup tables."""
-    return [*ROLLUPS, *RETIRING, *(t for _, _, tiers in ROLLUPS.values() for t in tiers.values())]
+    return [*ROLLUPS, *(t for _, _, tiers in ROLLUPS.values() for t in tiers.values())]
 
 
 TIER_WIDTHS = sorted({w for _, _, tiers in ROLLUPS.values() for w in tiers})

@@ -10,7 +10,6 @@ from typing import Any
 
 from django.conf import settings
 from django.db import models
-from django.db.models import F
 
 
 class Cluster(models.Model):
@@ -212,7 +211,7 @@ class AgentBatch(models.Model):
         indexes = [models.Index(fields=["cluster", "received_at"])]
 
 
-# The time-series tables below take ~30 rows per node every second. Their references to the inventory are not
+# The time-series tables below take a few rows per node every second. Their references to the inventory are not
 # enforced by the database (db_constraint=False): on PostgreSQL a foreign key is a trigger and a lookup per row at
 # commit, which was half of its CPU for an ingested batch (40,000 GPU rows: 29 -> 14 µs a row, and 11 µs without the
 # single-column indexes that only repeat a composite index's first column, db_index=False below). The ingest writer
@@ -221,60 +220,6 @@ class AgentBatch(models.Model):
 def _series_ref(to: type[models.Model] | str, on_delete: Any = models.CASCADE, index: bool = False,
                 **kwargs: Any) -> models.ForeignKey:
     return models.ForeignKey(to, on_delete=on_delete, db_constraint=False, db_index=index, **kwargs)
-
-
-class GpuSample(models.Model):
-    """One GPU at one instant, as a wide row (column names = wire field names)."""
-
-    cluster = _series_ref(Cluster)  # (cluster, ts) and (node, ts) are indexed
-    node = _series_ref(Node)
-    gpu_index = models.PositiveSmallIntegerField()
-    ts = models.DateTimeField()
-    util_gpu_pct = models.FloatField(null=True)
-    util_mem_pct = models.FloatField(null=True)
-    mem_used_bytes = models.BigIntegerField(null=True)
-    mem_total_bytes = models.BigIntegerField(null=True)
-    temp_c = models.FloatField(null=True)
-    power_w = models.FloatField(null=True)
-    power_limit_w = models.FloatField(null=True)
-    sm_clock_mhz = models.FloatField(null=True)
-    sm_clock_max_mhz = models.FloatField(null=True)
-    mem_clock_mhz = models.FloatField(null=True)
-    mem_clock_max_mhz = models.FloatField(null=True)
-    throttle_reasons = models.JSONField(null=True)
-    ecc_sbe_volatile = models.BigIntegerField(null=True)
-    ecc_dbe_volatile = models.BigIntegerField(null=True)
-    ecc_sbe_aggregate = models.BigIntegerField(null=True)
-    ecc_dbe_aggregate = models.BigIntegerField(null=True)
-    retired_pages_sbe = models.BigIntegerField(null=True)
-    retired_pages_dbe = models.BigIntegerField(null=True)
-    retired_pages_pending = models.BooleanField(null=True)
-    remap_correctable = models.BigIntegerField(null=True)
-    remap_uncorrectable = models.BigIntegerField(null=True)
-    remap_pending = models.BooleanField(null=True)
-    remap_failure = models.BooleanField(null=True)
-    pcie_replay_total = models.BigIntegerField(null=True)
-    pcie_gen = models.SmallIntegerField(null=True)
-    pcie_gen_max = models.SmallIntegerField(null=True)
-    pcie_width = models.SmallIntegerField(null=True)
-    pcie_width_max = models.SmallIntegerField(null=True)
-    nvlink_links_up = models.SmallIntegerField(null=True)
-    nvlink_links_total = models.SmallIntegerField(null=True)
-    nvlink_crc_errors_total = models.BigIntegerField(null=True)
-    nvlink_replay_errors_total = models.BigIntegerField(null=True)
-    nvlink_recovery_errors_total = models.BigIntegerField(null=True)
-    unavailable = models.JSONField(null=True)
-
-    class Meta:
-        indexes = [
-            models.Index(fields=["cluster", "ts"]),
-            # By node, not by GPU: a node's eight GPUs' rows of one second go into one leaf of this index, where
-            # (node, gpu_index, ts) put each GPU's newest row in a leaf of its own: every row then wrote a page of
-            # its own to the WAL, and at 2,048 nodes past two minutes of data a GPU row cost 22-24 us of CPU to
-            # insert instead of 14 (benchmarks/sqlite_index.py). A GPU's queries read its node's range and keep its
-            # rows: eight times the rows of a window that is seconds to minutes, or a downsampled range.
-            models.Index(fields=["node", "ts"]),
-        ]
 
 
 class HostSample(models.Model):
@@ -318,79 +263,7 @@ class PortSample(models.Model):
         indexes = [models.Index(fields=["cluster", "ts"]), models.Index(fields=["node", "ts"])]
 
 
-RANK_GROUP = 8  # ranks per key of the step samples' per-rank index: a node's ranks, on the usual 8-GPU node
-
-
-class RankGroup(models.Func):
-    """``rank / RANK_GROUP`` (integer division on both backends), the middle key of the step samples' per-rank index.
-
-    Keyed by (run, rank, step), a 16,384-rank run appends each second's rows at 16,384 places in the index, so at
-    steady state every row dirties a leaf page of its own, which SQLite writes out whole at the commit (and again at
-    the checkpoint). Keyed by (run, rank / 8, step), eight ranks share each append point, as a node's GPUs do in the
-    GPU samples' (node, ts); with the node column's index gone too, a step row's insert at 2,048 nodes x 8 ranks
-    after two minutes went 19.6 -> 12.5 us of CPU (``benchmarks/sqlite_index.py --table steps``). A query for one rank
-    names the group as well (:func:`of_rank`), and reads at most eight ranks' entries for each of its own. The literal
-    is in the template, not a parameter, so the query's expression is the index's (the planners match them)."""
-
-    template = f"(%(expressions)s / {RANK_GROUP})"
-    output_field = models.IntegerField()
-
-
-class _NotAColumn(models.Func):
-    """``(x + 0)``: the value of ``x``, but not a bare column to the planner. SQLite propagates ``rank = 13`` into the
-    other terms of a WHERE clause, turning ``(rank / 8) = 1`` into ``(13 / 8) = 1``, which no index expression
-    matches any more: the one-rank condition must not be a plain ``column = constant``."""
-
-    template = "(%(expressions)s + 0)"
-    output_field = models.IntegerField()
-
-
-def of_rank_sql(rank: int, column: str = "rank") -> tuple[str, list[int]]:
-    """:func:`of_rank` for raw SQL (the diagnosis pass's reads): its WHERE terms, written by the same two templates,
-    and their parameters."""
-    group, value = (f.template % {"expressions": column} for f in (RankGroup, _NotAColumn))
-    return f"{group} = %s AND {value} = %s", [rank // RANK_GROUP, rank]
-
-
-def of_rank(qs: models.QuerySet[Any], rank: int) -> models.QuerySet[Any]:
-    """Step samples of one rank, read through the (run, rank group, step) index (``qs`` names the run). A query that
-    also bounds the time should bound the steps too: with only ``ts`` bounds SQLite prefers the (run, ts) index."""
-    return qs.alias(rank_group=RankGroup("rank"), rank_value=_NotAColumn("rank")).filter(
-        rank_group=rank // RANK_GROUP, rank_value=rank)
-
-
-class StepSample(models.Model):
-    cluster = _series_ref(Cluster)  # (cluster, ts) and run first are indexed
-    run = _series_ref(Run)
-    # Not indexed, and nothing done on a node's deletion: an index keyed by node dirties a leaf per node each second
-    # and nothing reads steps by node. Nodes are deleted only with their cluster,
-    # whose step rows Django deletes by cluster; SET_NULL would scan the whole table for every node deleted.
-    node = _series_ref(Node, models.DO_NOTHING, null=True)
-    rank = models.PositiveIntegerField()
-    step = models.BigIntegerField()
-    ts = models.DateTimeField()
-    step_time_s = models.FloatField()
-    data_wait_s = models.FloatField(null=True)
-    compute_s = models.FloatField(null=True)
-    comm_s = models.FloatField(null=True)
-    comm_arrive_s = models.FloatField(null=True)
-    tokens = models.BigIntegerField(null=True)
-    samples = models.BigIntegerField(null=True)
-    phases = models.JSONField(null=True)
-    metrics = models.JSONField(null=True)
-    mem_allocated_bytes = models.BigIntegerField(null=True)
-    mem_reserved_bytes = models.BigIntegerField(null=True)
-    mem_total_bytes = models.BigIntegerField(null=True)
-    # Per process group timings of the step (wire.GroupTiming dicts): the late rank within its TP / PP / DP group.
-    groups = models.JSONField(null=True)
-
-    class Meta:
-        indexes = [
-            models.Index(fields=["run", "step"]),
-            models.Index(fields=["run", "ts"]),
-            models.Index(F("run"), RankGroup("rank"), F("step"), name="telemetry_step_rank_group"),
-            models.Index(fields=["cluster", "ts"]),
-        ]
+RANK_GROUP = 8  # ranks per step frame (its rank_group: rank // 8): a node's ranks, on the usual 8-GPU node
 
 
 class Event(models.Model):
@@ -441,7 +314,8 @@ class StepFrame(models.Model):
 
     cluster = _series_ref(Cluster)
     run = _series_ref(Run)
-    # Not indexed (nothing reads steps by node); nodes are deleted only with their cluster (see StepSample.node).
+    # Not indexed, and nothing done on a node's deletion: nothing reads steps by node, and nodes are deleted only with
+    # their cluster, whose frames Django deletes by cluster (SET_NULL would scan the table for every node deleted).
     node = _series_ref(Node, models.DO_NOTHING, null=True)
     ts = models.DateTimeField()
     rank_group = models.PositiveIntegerField()
@@ -476,28 +350,6 @@ class ProbeFrame(models.Model):
 
     class Meta:
         indexes = [models.Index(fields=["cluster", "ts"]), models.Index(fields=["node", "ts"])]
-
-
-class Probe(models.Model):
-    """A pairwise probe from ``node`` to ``peer`` (the peer's host name, resolved to ``peer_node`` when known)."""
-
-    cluster = _series_ref(Cluster)  # (cluster, ts), (node, ts) and (cluster, peer, ts) are indexed
-    node = _series_ref(Node, related_name="probes_sent")
-    peer = models.CharField(max_length=253)
-    # Never written by ingest (the peer is stored by name): not indexed, so it costs no index write per probe row.
-    peer_node = _series_ref(Node, models.SET_NULL, null=True, related_name="probes_received")
-    ts = models.DateTimeField()
-    sent = models.IntegerField()
-    lost = models.IntegerField()
-    rtt_ms = models.FloatField(null=True)
-    rtt_p99_ms = models.FloatField(null=True)
-    bw_gbps = models.FloatField(null=True)
-
-    class Meta:
-        # (cluster, peer, ts): the probes *to* a node (its page, a node-down finding's evidence); without it each
-        # read scanned every probe of the cluster in the range (at 2,048 nodes, millions of rows for 15 minutes).
-        indexes = [models.Index(fields=["cluster", "ts"]), models.Index(fields=["node", "ts"]),
-                   models.Index(fields=["cluster", "peer", "ts"])]
 
 
 class ProbeInbound(models.Model):

@@ -26,7 +26,7 @@ from django.utils import timezone
 from dashboard.telemetry import models as m
 
 # kept RETENTION_HOURS; GPU and host: dashboard.storage
-LONG_SERIES = (m.PortSample, m.StepSample, m.Probe, m.StepFrame, m.ProbeFrame, m.ProbeInbound, m.Event)
+LONG_SERIES = (m.PortSample, m.StepFrame, m.ProbeFrame, m.ProbeInbound, m.Event)
 MARK_KEEP = timedelta(days=30)
 
 

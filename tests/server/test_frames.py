@@ -144,6 +144,24 @@ def test_the_layouts_follow_the_wire() -> None:
 
 
 def test_the_backfill_frames_the_rows_stored_before_frames(world: Any) -> None:
+    """Migration 0016 on rows as the server stored them before frames: the tables of that time are made from the
+    migration state (0018 dropped them), filled, framed, and dropped again."""
+    from django.db.migrations.loader import MigrationLoader
+
+    old = MigrationLoader(connection).project_state(("telemetry", "0016_frames_backfill")).apps
+    models = [old.get_model("telemetry", name) for name in ("GpuSample", "StepSample", "Probe")]
+    with connection.schema_editor() as editor:
+        for model in models:
+            editor.create_model(model)
+    try:
+        _backfill_rows(world, *models)
+    finally:
+        with connection.schema_editor() as editor:
+            for model in models:
+                editor.delete_model(model)
+
+
+def _backfill_rows(world: Any, gpu_row: Any, step_row: Any, probe_row: Any) -> None:
     node = m.Node.objects.create(cluster=world.cluster, hostname="old-1")
     run = m.Run.objects.create(cluster=world.cluster, name="old-run")
     t0 = math.floor(time.time() / fr.FRAME_S) * fr.FRAME_S - 3600
@@ -151,15 +169,16 @@ def test_the_backfill_frames_the_rows_stored_before_frames(world: Any) -> None:
     def dt(t: float) -> datetime:
         return datetime.fromtimestamp(t, UTC)
 
-    m.GpuSample.objects.bulk_create([
-        m.GpuSample(cluster=world.cluster, node=node, gpu_index=g, ts=dt(t0 + s), util_gpu_pct=10.0 * g + s,
-                    retired_pages_pending=bool(s % 2), throttle_reasons=["sw_thermal"] if g else [])
+    c, n = world.cluster.id, node.id
+    gpu_row.objects.bulk_create([
+        gpu_row(cluster_id=c, node_id=n, gpu_index=g, ts=dt(t0 + s), util_gpu_pct=10.0 * g + s,
+                retired_pages_pending=bool(s % 2), throttle_reasons=["sw_thermal"] if g else [])
         for s in range(25) for g in range(2)])
-    m.StepSample.objects.bulk_create([
-        m.StepSample(cluster=world.cluster, run=run, node=node, rank=r, step=s, ts=dt(t0 + s), step_time_s=1.0 + r,
-                     metrics={"loss": 1.0 / (s + 1)}) for s in range(70) for r in (0, 9)])
-    m.Probe.objects.bulk_create([m.Probe(cluster=world.cluster, node=node, peer=f"p{s % 3}", ts=dt(t0 + s), sent=5,
-                                         lost=s % 2, rtt_ms=0.1 * s) for s in range(15)])
+    step_row.objects.bulk_create([
+        step_row(cluster_id=c, run_id=run.id, node_id=n, rank=r, step=s, ts=dt(t0 + s), step_time_s=1.0 + r,
+                 metrics={"loss": 1.0 / (s + 1)}) for s in range(70) for r in (0, 9)])
+    probe_row.objects.bulk_create([probe_row(cluster_id=c, node_id=n, peer=f"p{s % 3}", ts=dt(t0 + s), sent=5,
+                                             lost=s % 2, rtt_ms=0.1 * s) for s in range(15)])
     backfill = importlib.import_module("dashboard.telemetry.migrations.0016_frames_backfill").backfill
     with connection.schema_editor() as editor:
         backfill(None, editor)

@@ -97,7 +97,7 @@ def test_the_evidence_shows_the_injected_fault_above_its_threshold(client: Any, 
 
 def test_a_node_down_past_raw_retention_draws_its_silence_from_the_rollups(client: Any, world: World) -> None:
     from dashboard.storage.rollup import roll_up
-    from dashboard.telemetry.models import GpuFrame, GpuSample, HostSample
+    from dashboard.telemetry.models import GpuFrame, HostSample
 
     faults, nodes, seconds, *_ = FAULTS["node_down"]
     feed = Feed(world, faults, nodes=nodes)
@@ -107,7 +107,6 @@ def test_a_node_down_past_raw_retention_draws_its_silence_from_the_rollups(clien
     # What retention does to the raw tier after CLUSTERDX_RAW_RETENTION_HOURS (the rollups stay 7 and 30 days).
     assert GpuFrame.objects.filter(node=f.node).exists()
     GpuFrame.objects.filter(node=f.node).delete()
-    GpuSample.objects.filter(node=f.node).delete()
     HostSample.objects.filter(node=f.node).delete()
     client.force_login(world.teammate)
     panel = client.get(f"/api/v1/findings/{f.id}").json()["chart"]["panels"][0]

@@ -23,7 +23,7 @@ from dashboard.storage import partitions
 from dashboard.storage.models import ROLLUPS, GpuRollup1m, GpuRollup10s, HostRollup1m, HostRollup10s, RollupState
 from dashboard.storage.retention import purge_tiers
 from dashboard.storage.rollup import floor_to, roll_up
-from dashboard.telemetry.models import GpuFrame, GpuSample, HostSample, Node
+from dashboard.telemetry.models import GpuFrame, HostSample, Node
 from tests.server import framed
 from tests.server.conftest import World, make_batch, post
 
@@ -174,10 +174,8 @@ def test_late_frames_hours_apart_before_the_purge_line_are_each_merged_once(clie
 
 
 def _rows_at(world: World, node: Node, times: list[datetime]) -> None:
-    """A GPU sample at each of ``times``, as frames (one post) and as rows of the retiring row table."""
+    """A GPU sample at each of ``times``, as frames (one post: a frame each, minutes apart)."""
     framed.gpus(world.cluster, node, [{"ts": t, "index": 0, "util_gpu_pct": 1.0} for t in times])
-    GpuSample.objects.bulk_create([GpuSample(cluster=world.cluster, node=node, gpu_index=0, ts=t, util_gpu_pct=1.0)
-                                   for t in times])
 
 
 def _kept(model: Any) -> list[datetime]:
@@ -185,7 +183,7 @@ def _kept(model: Any) -> list[datetime]:
     return sorted(model.objects.values_list("ts", flat=True))
 
 
-RAW_GPU = ("telemetry_gpuframe", "telemetry_gpusample")
+RAW_GPU = ("telemetry_gpuframe",)
 
 
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="day partitions are PostgreSQL's (SQLite: next test)")
@@ -198,7 +196,7 @@ def test_retention_drops_only_expired_partitions(world: World, settings: Any) ->
         for table in RAW_GPU:
             partitions.ensure_partitions(cursor, table, days)
     noon = [datetime(d.year, d.month, d.day, 12, tzinfo=UTC) for d in days]
-    stray = now - timedelta(days=10)  # a day without a partition: the frame (and row) waits in the default one
+    stray = now - timedelta(days=10)  # a day without a partition: the frame waits in the default one
     _rows_at(world, node, [*noon, stray])
     # The hot window ends inside yesterday: yesterday's partition is kept whole, the two before it go.
     settings.CLUSTERDX = {**settings.CLUSTERDX, "RAW_RETENTION_HOURS": (now - noon[2]).total_seconds() / 3600 + 1}
@@ -213,7 +211,7 @@ def test_retention_drops_only_expired_partitions(world: World, settings: Any) ->
         assert {today - timedelta(days=3), today - timedelta(days=2)}.isdisjoint(left) and {days[2], days[3]} <= left
         assert not [s for s in sql if s.startswith(f'DELETE FROM "{table}"') or
                     s.startswith(f"DELETE FROM {table} ")], f"{table} is never DELETEd from"
-    assert _kept(GpuFrame) == _kept(GpuSample) == noon[2:]
+    assert _kept(GpuFrame) == noon[2:]
     assert [s for s in sql if s.startswith("DROP TABLE")] == [
         f'DROP TABLE "{table}_p{d:%Y%m%d}"' for table in RAW_GPU for d in days[:2]]
     assert RollupState.objects.get().raw_purged_through == datetime(days[2].year, days[2].month, days[2].day, tzinfo=UTC)
@@ -224,11 +222,11 @@ def test_retention_drops_only_expired_partitions(world: World, settings: Any) ->
             partitions.ensure_partitions(cursor, table, [(stray + timedelta(days=8)).date()])
             cursor.execute(f"SELECT count(*) FROM {table}_default")
             assert cursor.fetchone()[0] == 0
-    assert GpuFrame.objects.count() == GpuSample.objects.count() == 3
+    assert GpuFrame.objects.count() == 3
 
 
 @pytest.mark.skipif(connection.vendor == "postgresql", reason="PostgreSQL drops partitions (previous test)")
-def test_retention_deletes_exactly_the_expired_frames_and_rows_in_chunks(world: World, settings: Any) -> None:
+def test_retention_deletes_exactly_the_expired_frames_in_chunks(world: World, settings: Any) -> None:
     node = Node.objects.create(cluster=world.cluster, hostname="node-s")
     now = timezone.now()
     times = [now - timedelta(minutes=m, seconds=7) for m in range(0, 180, 1)]
@@ -240,7 +238,7 @@ def test_retention_deletes_exactly_the_expired_frames_and_rows_in_chunks(world: 
     for table in RAW_GPU:
         deletes = [q["sql"] for q in ctx.captured_queries if q["sql"].startswith(f'DELETE FROM "{table}"')]
         assert len(deletes) >= 2 and all(" IN (" in s for s in deletes), table
-    assert _kept(GpuFrame) == _kept(GpuSample) == sorted(t for t in times if t >= cut)
+    assert _kept(GpuFrame) == sorted(t for t in times if t >= cut)
     assert RollupState.objects.get().raw_purged_through == cut
     purged = {floor_to(t, 60) for t in times if t < cut}
     assert set(GpuRollup1m.objects.filter(ts__lt=cut).values_list("ts", flat=True)) == purged, \

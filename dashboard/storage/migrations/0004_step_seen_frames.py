@@ -26,6 +26,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ("storage", "0003_partition_frames"),
+        ("telemetry", "0016_frames_backfill"),  # after the rows were framed: their frames are not late samples
     ]
 
     operations = [migrations.RunPython(to_frames, to_rows)]
