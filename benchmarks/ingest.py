@@ -396,6 +396,8 @@ def main() -> int:
     p.add_argument("--profile", metavar="PATH",
                    help="sample the server's process tree with py-spy over the run (pip install py-spy); written "
                         "as collapsed stacks (one 'frame;frame;... count' a line) to PATH")
+    p.add_argument("--profile-native", action="store_true",
+                   help="with --profile: on-CPU stacks of every thread with native frames (where C code spends it)")
     p.add_argument("--profile-threads", action="store_true",
                    help="with --profile: every thread, idle ones included, one stack root per thread (where each "
                         "thread's wall time goes: the group writer waiting for batches, for the GIL, on the disk)")
@@ -466,10 +468,13 @@ def main() -> int:
             # on a socket; --nonblocking: the server is not paused to read its stacks.
             # --profile-threads: --idle --threads instead, every thread's wall time.
             spy_bin = Path(sys.executable).with_name("py-spy")
-            mode = ["--idle", "--threads"] if args.profile_threads else ["--gil"]
+            # --profile-native: on-CPU stacks of every thread with their C frames (SQLite, compression), pausing the
+            # server to read them (py-spy cannot read native frames without): a costlier, coarser look.
+            mode = (["--idle", "--threads", "--nonblocking"] if args.profile_threads else
+                    ["--threads", "--native"] if args.profile_native else ["--gil", "--nonblocking"])
             try:
                 spy = subprocess.Popen([str(spy_bin) if spy_bin.exists() else "py-spy", "record", "--pid",
-                                        str(server.pid), "--subprocesses", *mode, "--nonblocking", "--rate", "50",
+                                        str(server.pid), "--subprocesses", *mode, "--rate", "50",
                                         "--format", "raw", "--duration", str(seconds), "-o", args.profile],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             except FileNotFoundError:

@@ -698,9 +698,14 @@ _HOST, _PORT = (wire.Fields("ts", *f) for f in (HOST_FIELDS, PORT_FIELDS))
 _EVENT = wire.Fields("run", "ts", *EVENT_FIELDS)
 
 
+# kind name -> the posts' parts of a group to frame at once (frames.build_group), with their cluster and node ids
+Framed = dict[str, list[tuple[int, int, frames.Part]]]
+
+
 def _collect_series(rows: Rows, cluster: m.Cluster, node_id: int, batch: dict[str, Any], runs: dict[str, int],
-                    gpus: list[tuple[int, Any]] | None = None) -> None:
-    """The batch's rows into ``rows``; its GPUs into ``gpus`` for :meth:`_Inventory.note_gpus` (or noted now)."""
+                    gpus: list[tuple[int, Any]] | None = None, framed: Framed | None = None) -> None:
+    """The batch's rows into ``rows``; its GPUs into ``gpus`` for :meth:`_Inventory.note_gpus` (or noted now); its
+    framed kinds into ``framed``, for :func:`_add_frames` to frame a whole group's at once (or framed now)."""
     c, n = cluster.id, node_id
     if gpus is None:
         for g in rows_of(batch["gpus"], _GPU_ID):
@@ -730,9 +735,12 @@ def _collect_series(rows: Rows, cluster: m.Cluster, node_id: int, batch: dict[st
     add(m.HostSample, _HOST, batch["hosts"], 2)
     add(m.PortSample, _PORT, batch["ports"], 2)
     add(m.Event, _EVENT, batch["events"], 3, run=True)
+    mine: Framed = {} if framed is None else framed
     for kind in frames.KINDS.values():
         if batch[kind.name]:
-            _add_frames(rows, kind, c, n, batch[kind.name], runs, times)
+            mine.setdefault(kind.name, []).append((c, n, _part(kind, batch[kind.name], runs)))
+    if framed is None:
+        _add_frames(rows, mine, times)
 
 
 # Each framed kind's numeric fields (today's layout) and object fields, read from records of either kind.
@@ -740,10 +748,8 @@ _FRAME_NUMS = {k.name: wire.Fields(*k.numbers) for k in frames.KINDS.values()}
 _FRAME_OBJS = {k.name: [(f, wire.Fields(f)) for f in k.objects] for k in frames.KINDS.values()}
 
 
-def _add_frames(rows: Rows, kind: frames.Kind, cluster_id: int, node_id: int, records: list[Any],
-                runs: dict[str, int], times: dict[float, datetime]) -> None:
-    """The frames of one batch's records of ``kind`` into ``rows`` (the frame table's columns, its time a datetime
-    shared with the rows of the same sample time)."""
+def _part(kind: frames.Kind, records: Any, runs: dict[str, int]) -> frames.Part:
+    """A batch's records of ``kind`` as frames.build_group takes them: its matrix, object fields and run ids."""
     if type(records) is Block:  # version 2: the post's own matrix, in the frames' column order (frames.Kind)
         mat, objs = records.mat, frames.objects(kind, records.cols)
     else:
@@ -751,18 +757,27 @@ def _add_frames(rows: Rows, kind: frames.Kind, cluster_id: int, node_id: int, re
         mat = frames.matrix(kind, [get(r) for r in records])
         objs = frames.objects(kind, {f: list(map(one.of(records), records)) for f, one in _FRAME_OBJS[kind.name]})
     run_ids = [runs[name] for name in rows_of(records, _RUN)] if kind is frames.STEPS else None
-    into = rows[kind.model]
-    for b in frames.build(kind, mat, objs, run_ids):
-        when = times.get(b.ts)
-        if when is None:
-            when = times[b.ts] = _dt(b.ts)
-        if kind is frames.STEPS:
-            into.append([cluster_id, b.run_id, node_id, when, b.rank_group, b.step_lo, b.step_hi, b.n, kind.layout,
-                         b.data])
-        elif kind is frames.PROBES:
-            into.append([cluster_id, node_id, when, b.n, kind.layout, b.data, b.peers])
-        else:
-            into.append([cluster_id, node_id, when, b.n, kind.layout, b.data])
+    return mat, objs, run_ids
+
+
+def _add_frames(rows: Rows, framed: Framed, times: dict[float, datetime]) -> None:
+    """The frames of ``framed`` into ``rows`` (each frame table's columns, its time a datetime shared with the other
+    rows of the same sample time)."""
+    for name, posts in framed.items():
+        kind = frames.KINDS[name]
+        into = rows[kind.model]
+        for i, b in frames.build_group(kind, [part for _, _, part in posts]):
+            cluster_id, node_id, _ = posts[i]
+            when = times.get(b.ts)
+            if when is None:
+                when = times[b.ts] = _dt(b.ts)
+            if kind is frames.STEPS:
+                into.append([cluster_id, b.run_id, node_id, when, b.rank_group, b.step_lo, b.step_hi, b.n,
+                             kind.layout, b.data])
+            elif kind is frames.PROBES:
+                into.append([cluster_id, node_id, when, b.n, kind.layout, b.data, b.peers])
+            else:
+                into.append([cluster_id, node_id, when, b.n, kind.layout, b.data])
 
 
 @contextmanager
@@ -885,7 +900,8 @@ def _store_set(jobs: list[Job]) -> list[Outcome]:
     if lost:
         _answer_repeats(jobs, lost, out)
     rows, touched, published = _new_rows(), [], []
-    gpus: list[tuple[int, dict[str, Any]]] = []
+    gpus: list[tuple[int, Any]] = []
+    framed: Framed = {}
     interfaces: list[tuple[int, Any, float]] = []
     metas: list[Meta] = []
     memo: dict[tuple[int, str], int] = {}  # node ids this transaction found or created
@@ -905,10 +921,11 @@ def _store_set(jobs: list[Job]) -> list[Outcome]:
             interfaces.append(due)
         runs = _run_ids(cluster, batch, run_memo)
         metas += [(cluster, node_id, meta, runs[meta["run"]]) for meta in batch["runs"]]
-        _collect_series(rows, cluster, node_id, batch, runs, gpus)
+        _collect_series(rows, cluster, node_id, batch, runs, gpus, framed)
         _advance_runs(batch["steps"], runs)
         published.append((cluster.id, batch["host"], batch, runs))
         out[i] = Stored("accepted", records)
+    _add_frames(rows, framed, {})
     _store_run_metas(metas, memo)
     inventory.note_gpus(gpus)
     if interfaces:

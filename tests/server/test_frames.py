@@ -199,3 +199,27 @@ def _backfill_rows(world: Any, gpu_row: Any, step_row: Any, probe_row: Any) -> N
     assert sorted(zip(probes["ts"].tolist(), probes.objs["peer"], strict=True)) == \
         [(t0 + s, f"p{s % 3}") for s in range(15)]
     assert {f.peers for f in m.ProbeFrame.objects.all()} == {" p0 p1 p2 "}
+
+
+def test_a_group_is_framed_as_its_posts_would_be_one_by_one() -> None:
+    """build_group (the group writer's: one pass of numpy for all its posts) gives each post exactly the frames build
+    gives it alone, never a frame mixing posts, and skips a post without samples of the kind."""
+    t = math.floor(time.time() / fr.FRAME_S) * fr.FRAME_S - 60
+    rng = np.random.default_rng(4)
+
+    def post(n: int, start: float) -> fr.Part:
+        mat = np.full((n, len(fr.STEPS.numbers)), np.nan)
+        mat[:, fr.STEPS.col("ts")] = start + np.sort(rng.uniform(0, 25, n))
+        mat[:, fr.STEPS.col("rank")] = rng.integers(0, 20, n)
+        mat[:, fr.STEPS.col("step")] = rng.integers(60, 70, n)
+        mat[:, fr.STEPS.col("step_time_s")] = rng.uniform(0, 2, n)
+        objs = {"metrics": [{"loss": float(i)} if i % 3 else None for i in range(n)]}
+        return mat, objs, list(rng.integers(1, 3, n))
+
+    parts = [post(12, t), post(0, t), post(7, t + 3), post(30, t - 20)]
+    got = fr.build_group(fr.STEPS, parts)
+    assert [i for i, _ in got] == sorted(i for i, _ in got) and 1 not in {i for i, _ in got}
+    for i, part in enumerate(parts):
+        mine = [b for j, b in got if j == i]
+        assert mine == fr.build(fr.STEPS, *part), i
+        assert sum(b.n for b in mine) == len(part[0])
