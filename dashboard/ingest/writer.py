@@ -711,7 +711,8 @@ def _collect_series(rows: Rows, cluster: m.Cluster, node_id: int, batch: dict[st
         for g in rows_of(batch["gpus"], _GPU_ID):
             inventory.note_gpu(node_id, g)
     else:
-        gpus += [(node_id, g) for g in rows_of(batch["gpus"], _GPU_ID)]
+        # Each GPU once (a batch of several seconds names it each second).
+        gpus += [(node_id, g) for g in dict.fromkeys(rows_of(batch["gpus"], _GPU_ID))]
     # A node's GPUs, ranks and probes share a sample time: one datetime each.
     times: dict[float, datetime] = {}
 

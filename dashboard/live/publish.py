@@ -90,7 +90,9 @@ def publish_batches(items: list[tuple[int, str, dict[str, Any], dict[str, int]]]
     beats: dict[int, dict[str, list[dict[str, Any]]]] = {}
     messages: list[tuple[str, dict[str, Any]]] = []
     for cluster_id, host, batch, runs in items:
-        gpus = [[host, *g] for g in rows_of(batch["gpus"], _GPU)]
+        # A GPU's newest sample of the batch only (a batch of several seconds has several): the live state and the
+        # merge buffer keep each GPU's latest anyway, and every older row cost them, and the browsers, for nothing.
+        gpus = list({g[0]: [host, *g] for g in rows_of(batch["gpus"], _GPU)}.values())
         by_cluster.setdefault(cluster_id, {}).setdefault(host, []).extend(gpus)  # a replayed spool: two of one host
         if batch["beats"]:
             # Only where each rank is now matters (the diagnosis reads it to name the rank that stopped a run).
@@ -119,8 +121,12 @@ _BEAT = wire.Fields(*wire.field_names(wire.RankBeat))
 
 
 def _beats(beats: list[dict[str, Any]] | Any) -> list[dict[str, Any]]:
-    """The rank beats as dicts (the live state keeps each rank's last one), from records or a version 2 block."""
-    return beats if type(beats) is list else [dict(zip(_BEAT.names, b, strict=True)) for b in rows_of(beats, _BEAT)]
+    """Each rank's last beat of the batch as a dict (the live state keeps only where each rank is now), from records
+    or a version 2 block."""
+    if type(beats) is list:
+        return list({(b["run"], b["rank"]): b for b in beats}.values()) if len(beats) > 1 else beats
+    last = {(b[0], b[1]): b for b in rows_of(beats, _BEAT)}  # run and rank lead RankBeat's fields
+    return [dict(zip(_BEAT.names, b, strict=True)) for b in last.values()]
 
 
 def live_part(batch: dict[str, Any]) -> dict[str, Any]:
