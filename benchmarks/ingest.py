@@ -186,7 +186,7 @@ class Plan:
     raw_bytes: int = 0
 
 
-def build(nodes: int, gpus: int, seconds: int, period_s: int, prefix: str, start: float, wire_version: int = 1) -> Plan:
+def build(nodes: int, gpus: int, seconds: int, period_s: int, prefix: str, start: float, wire_version: int = 2) -> Plan:
     """Every node's bodies for the run: ``period_s`` seconds of samples each, node ``n`` offset by ``n % period_s`` so
     the posts spread evenly over the seconds, each numbered after the warm-up's seq 0."""
     sim = SimCluster(parse({"cluster": {"nodes": nodes, "gpus_per_node": gpus, "seed": 3}}), start,
@@ -391,8 +391,10 @@ def main() -> int:
     p.add_argument("--send-interval", type=float, default=0.0,
                    help="post each node at most every S seconds even if the server asks for less")
     p.add_argument("--drain", type=float, default=15.0, help="seconds after the run to finish retries")
-    p.add_argument("--wire", type=int, choices=[1, 2], default=1,
-                   help="the wire version the batches are sent in (2: column blocks, clusterdx.blocks)")
+    # 2, as the agent sends by default (collectors/agent/config.py); 1 to measure what older agents cost.
+    p.add_argument("--wire", type=int, choices=[1, 2], default=2,
+                   help="the wire version the batches are sent in (2, the agent's default: column blocks, "
+                        "clusterdx.blocks; 1: rows)")
     p.add_argument("--profile", metavar="PATH",
                    help="sample the server's process tree with py-spy over the run (pip install py-spy); written "
                         "as collapsed stacks (one 'frame;frame;... count' a line) to PATH")

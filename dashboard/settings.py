@@ -229,7 +229,7 @@ CLUSTERDX = {
     # Nodes per second one cluster may post: beyond it the server asks agents for a longer send_interval_s. 1,024:
     # a post costs about as much as a node-second of records (docs/scaling.md, "The send interval's default"), so
     # past 1,024 nodes two seconds a post buy a fifth of the server's CPU for a second of freshness.
-    "INGEST_NODES_PER_S": env_int("CLUSTERDX_INGEST_NODES_PER_S", 1024, min=1),
+    "INGEST_NODES_PER_S": env_int("CLUSTERDX_INGEST_NODES_PER_S", 512, min=1),
     # GET /metrics (Prometheus): a scraper sends this as a bearer token; unset, only loopback and staff may read.
     "METRICS_TOKEN": env_str("CLUSTERDX_METRICS_TOKEN"),
     # Request bodies: refused with 413 from Content-Length, or cut off while streaming, before Django reads them.
