@@ -71,6 +71,10 @@ def server_env(backend: str, data_dir: str) -> dict[str, str]:
     env.pop("REDIS_URL", None)
     if backend == "pg":
         env.update(DATABASE_URL=PG_URL, REDIS_URL=REDIS_URL, CLUSTERDX_REDIS_PREFIX=f"bench{os.getpid()}")
+        # The web workers and the Celery worker (the diagnosis pass, rollups, retention) sum their /metrics here.
+        metrics_dir = Path(data_dir) / "metrics"
+        metrics_dir.mkdir()
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     return env
 
 
@@ -138,11 +142,12 @@ def watch(base: str, cookie: str, cluster_id: int, stop: threading.Event, lat: l
 
 
 class ServerWatch(threading.Thread):
-    """CPU seconds and peak RSS of the server's process tree (workers come and go: each pid's last reading counts)."""
+    """CPU seconds and peak RSS of the server's process trees (the web server's and, on PostgreSQL, the Celery
+    worker's; workers come and go: each pid's last reading counts)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, *pids: int) -> None:
         super().__init__(daemon=True)
-        self.root = psutil.Process(pid)
+        self.roots = [psutil.Process(pid) for pid in pids]
         self.cpu: dict[int, float] = {}
         self.peak_rss = 0
         self.stop = threading.Event()
@@ -153,10 +158,12 @@ class ServerWatch(threading.Thread):
 
     def sample(self) -> None:
         rss = 0
-        try:
-            procs = [self.root, *self.root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return
+        procs = []
+        for root in self.roots:
+            try:
+                procs += [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
         for proc in procs:
             try:
                 times = proc.cpu_times()
@@ -169,6 +176,17 @@ class ServerWatch(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(0.5):
             self.sample()
+
+
+def database_cpu() -> dict[int, float]:
+    """CPU seconds of every PostgreSQL and Redis process on this machine, by pid: on the PostgreSQL backend the
+    database does part of the work SQLite does inside the embedded server, so the run prints it beside the server's
+    own. (A backend that exits during the run takes its seconds with it; the server's connections live as long.)"""
+    seconds = {}
+    for proc in psutil.process_iter(["name", "cpu_times"]):
+        if proc.info["name"] in ("postgres", "redis-server") and proc.info["cpu_times"] is not None:
+            seconds[proc.pid] = proc.info["cpu_times"].user + proc.info["cpu_times"].system
+    return seconds
 
 
 @dataclass
@@ -420,10 +438,16 @@ def main() -> int:
     prefix = f"bench{os.getpid()}"
     stop, browser_lat, watch_failed = threading.Event(), [], []
     me = psutil.Process()
+    worker: subprocess.Popen | None = None
     try:
         if not wait_for_server(base, 90):
             print("server did not start")
             return 1
+        if args.backend == "pg":
+            # As the production stack runs it (docker/compose.yaml): a Celery worker, and its beat, which schedules
+            # the diagnosis pass, the rollups and the probe index. Started once the server has migrated.
+            worker = subprocess.Popen([sys.executable, "-m", "clusterdx", "worker", "--beat", "--concurrency", "2"],
+                                      env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         token = manage(env, "token", "create", "bench").strip().splitlines()[-1]
         cluster_id = int(django_shell(
             env, "from django.contrib.auth.models import User; from dashboard.telemetry.models import Cluster;"
@@ -461,7 +485,7 @@ def main() -> int:
         watcher = threading.Thread(target=watch, args=(base, cookie, cluster_id, stop, browser_lat, watch_failed),
                                    daemon=True)
         watcher.start()
-        server_watch = ServerWatch(server.pid)
+        server_watch = ServerWatch(server.pid, *([worker.pid] if worker else []))
         server_watch.start()
         time.sleep(max(0.0, start - 0.5 - time.time()))  # CPU and wall time count from the run's start
         spy = None
@@ -481,12 +505,12 @@ def main() -> int:
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             except FileNotFoundError:
                 print("!! --profile needs py-spy (pip install py-spy); running without it", flush=True)
-        cpu0, me0 = server_watch.cpu_s(), sum(me.cpu_times()[:2])
+        cpu0, me0, db0 = server_watch.cpu_s(), sum(me.cpu_times()[:2]), database_cpu()
         print(f"==> {args.nodes} nodes x {args.gpus_per_node} GPUs at 1 Hz for {seconds} s", flush=True)
         t0 = time.monotonic()
         loop.run_until_complete(gen.run(plan, seconds))
         wall = time.monotonic() - t0
-        cpu1, me1 = server_watch.cpu_s(), sum(me.cpu_times()[:2])
+        cpu1, me1, db1 = server_watch.cpu_s(), sum(me.cpu_times()[:2]), database_cpu()
         time.sleep(1.0)
         stop.set()
         watcher.join(5)
@@ -497,8 +521,10 @@ def main() -> int:
         findings = findings_by_kind(env)
         loop.run_until_complete(gen.close())
     finally:
-        server.terminate()
-        server.wait(30)
+        for proc in (server, worker):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(30)
         log.close()
 
     res = gen.results
@@ -527,6 +553,11 @@ def main() -> int:
     print(f"server CPU: {1000 * (cpu1 - cpu0) / node_s:.2f} ms per accepted node-second "
           f"({100 * (cpu1 - cpu0) / wall:.0f}% of one core over {wall:.0f} s); peak RSS "
           f"{server_watch.peak_rss / 2**20:.0f} MiB")
+    if args.backend == "pg":
+        db_s = sum(t - db0.get(pid, 0.0) for pid, t in db1.items())
+        print(f"database CPU (every postgres and redis-server process): {1000 * db_s / node_s:.2f} ms per node-second "
+              f"({100 * db_s / wall:.0f}% of one core); server and database together "
+              f"{1000 * (cpu1 - cpu0 + db_s) / node_s:.2f} ms")
     print(f"generator CPU: {1000 * (me1 - me0) / node_s:.2f} ms per node-second ({100 * (me1 - me0) / wall:.0f}% of "
           "one core, the websocket watcher included)")
     passes = metrics.get("clusterdx_diagnosis_pass_seconds_count", 0.0)

@@ -262,3 +262,20 @@ def test_goodput_counts_stalls_checkpoints_restarts_and_replayed_steps() -> None
     assert g.wall_s == pytest.approx(63.0 - 9.0)
     assert g.productive_s == pytest.approx(g.wall_s - g.stall_s - g.checkpoint_s - g.restart_s - g.replayed_s)
     assert g.goodput == pytest.approx(13.0 / 54.0)
+
+
+# -- efficiency ---------------------------------------------------------------------------------------------------
+
+# Four ranks of 4,096 tokens a 0.3 s step, 7.32e5 FLOPs a token on a 1 TFLOP/s GPU: 1.0 % MFU, under the 2 % floor.
+LOW_MFU = {"flops_per_token": 732_000, "peak_flops": 1e12}
+
+
+def test_a_run_under_the_mfu_floor_is_found_once_its_whole_world_reports() -> None:
+    [d] = [d for d in diagnose(window(meta=LOW_MFU)) if d.kind == "efficiency"]
+    assert d.evidence["metrics"]["mfu"] == pytest.approx(0.01, abs=1e-4) and d.evidence["metrics"]["ranks"] == 4
+
+
+def test_an_efficiency_figure_over_part_of_the_world_is_no_finding() -> None:
+    """Four of a 32-rank world reported (a starting run, or nodes that post every few seconds): their tokens over the
+    whole world's peak read as 0.12 % MFU, which says nothing about the run."""
+    assert not [d for d in diagnose(window(meta={**LOW_MFU, "world_size": 32})) if d.kind == "efficiency"]
