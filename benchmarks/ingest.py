@@ -10,6 +10,11 @@ Prints the accepted share of the offered node-seconds, ingest latency p50/p99 (f
 to its answer), sample-to-browser p50/p99 (sample time -> websocket frame), server CPU per node-second and peak RSS
 (psutil, the server's process tree), the generator's own CPU, and the server's ``/metrics`` when it serves one.
 
+An agent keeps its own one-second schedule from the moment it started (collectors/agent/agent.py), so a fleet's
+posts arrive spread over each second, not together: node ``n`` samples and posts at its own phase within the second
+(:func:`phase`; ``--burst`` sends every node's post at the top of the second instead, the worst case). Ingest latency
+counts from the post's own moment, sample-to-browser from the moment its node took the sample.
+
     python benchmarks/ingest.py                                           # 2,048 nodes x 60 s, embedded (SQLite)
     python benchmarks/ingest.py --nodes 512 --seconds 30 --backend pg     # PostgreSQL + Redis on 127.0.0.1
     python benchmarks/ingest.py --nodes 128 --send-interval 5             # post every 5 s even if not asked to
@@ -121,8 +126,14 @@ def login_cookie(base: str, user: str, password: str) -> str:
         return "; ".join(f"{k}={v}" for k, v in client.cookies.items())
 
 
+def phase(node: int, burst: bool = False) -> float:
+    """Where in each second node ``node`` samples and posts: spread evenly over the second (the golden ratio's
+    fractions), as agents started at arbitrary moments are; 0 for every node with ``--burst``."""
+    return 0.0 if burst else (node * 0.6180339887) % 1.0
+
+
 def watch(base: str, cookie: str, cluster_id: int, stop: threading.Event, lat: list[float],
-          failed: list[str]) -> None:
+          failed: list[str], burst: bool = False) -> None:
     """Like a browser on the cluster's page; ``failed`` gets why it stopped early (a closed socket, a bad frame), so a
     run whose watcher died says so instead of printing the few latencies it saw."""
     port = base.rsplit(":", 1)[1]
@@ -136,7 +147,8 @@ def watch(base: str, cookie: str, cluster_id: int, stop: threading.Event, lat: l
                 except TimeoutError:
                     continue
                 now = time.time()
-                lat.extend(now - row[2] for row in frame.get("gpus", []))
+                # The simulator stamps every node's sample at the top of the second; its node took it at its phase.
+                lat.extend(now - row[2] - phase(int(row[0].rsplit("-", 1)[1]), burst) for row in frame.get("gpus", []))
     except Exception as exc:
         failed.append(f"{time.strftime('%H:%M:%S')} {exc!r}")
 
@@ -241,8 +253,8 @@ class Results:
 
 
 class Generator:
-    def __init__(self, base: str, token: str, connections: int, drain_s: float) -> None:
-        self.base, self.connections = base, connections
+    def __init__(self, base: str, token: str, connections: int, drain_s: float, burst: bool = False) -> None:
+        self.base, self.connections, self.burst = base, connections, burst
         self.headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json",
                         "Content-Encoding": "gzip"}
         self.session: aiohttp.ClientSession | None = None
@@ -304,16 +316,21 @@ class Generator:
         self.deadline = plan.start + seconds + self.drain_s
         queue: asyncio.Queue[tuple[Post, float]] = asyncio.Queue()
         workers = [asyncio.create_task(self.worker(queue)) for _ in range(self.connections)]
-        queued = 0
+        queued = seen = 0
         for t, posts in enumerate(plan.by_second):
-            due = plan.start + t + 0.05  # just after that second's sample was taken
-            await asyncio.sleep(max(0.0, due - time.time()))
-            for post in posts:
+            # Each node's post just after its sample, at the node's phase within the second.
+            for post in sorted(posts, key=lambda p: phase(p.node, self.burst)):
+                due = plan.start + t + phase(post.node, self.burst) + 0.05
+                await asyncio.sleep(max(0.0, due - time.time()))
                 queue.put_nowait((post, due))
             queued += len(posts)
             if t % 10 == 9:
+                # The slice's own p99 too: whether the run's tail is a steady backlog or a few stalls.
+                recent = self.results.latencies_s[seen:]
+                seen = len(self.results.latencies_s)
                 print(f"  {t + 1:4d} s  queued {queued}, answered {sum(self.results.outcomes.values())}, "
-                      f"accepted {self.results.accepted_node_s} node-s", flush=True)
+                      f"accepted {self.results.accepted_node_s} node-s; these 10 s: ingest p50 "
+                      f"{1000 * pct(recent, 50):.0f} ms, p99 {1000 * pct(recent, 99):.0f} ms", flush=True)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(queue.join(), timeout=max(1.0, self.deadline - time.time()))
         # Still unanswered at the deadline: the server fell that far behind. Counted, not left to fail at close.
@@ -409,6 +426,8 @@ def main() -> int:
     p.add_argument("--send-interval", type=float, default=0.0,
                    help="post each node at most every S seconds even if the server asks for less")
     p.add_argument("--drain", type=float, default=15.0, help="seconds after the run to finish retries")
+    p.add_argument("--burst", action="store_true",
+                   help="every node posts at the top of the second (the worst case), not at its own phase")
     # 2, as the agent sends by default (collectors/agent/config.py); 1 to measure what older agents cost.
     p.add_argument("--wire", type=int, choices=[1, 2], default=2,
                    help="the wire version the batches are sent in (2, the agent's default: column blocks, "
@@ -454,7 +473,7 @@ def main() -> int:
                  "User.objects.create_superuser('bench', password='bench-password');"
                  "print(Cluster.objects.get(name='bench').id)"))
         cookie = login_cookie(base, "bench", "bench-password")
-        gen = Generator(base, token, args.connections, args.drain)
+        gen = Generator(base, token, args.connections, args.drain, args.burst)
         loop = asyncio.new_event_loop()
         # The period from the server's own rule for this many nodes; the warm-up just before the run checks it.
         planned = float(django_shell(env, f"from dashboard.ingest.views import _interval; print(_interval({args.nodes}))"))
@@ -482,7 +501,8 @@ def main() -> int:
               f"{advert if advert is not None else '(not advertised)'} s", flush=True)
         if advert is not None and advert > period:
             print(f"!! the server asks for {advert:g} s, more than the {period} s built", flush=True)
-        watcher = threading.Thread(target=watch, args=(base, cookie, cluster_id, stop, browser_lat, watch_failed),
+        watcher = threading.Thread(target=watch, args=(base, cookie, cluster_id, stop, browser_lat, watch_failed,
+                                                      args.burst),
                                    daemon=True)
         watcher.start()
         server_watch = ServerWatch(server.pid, *([worker.pid] if worker else []))
