@@ -45,3 +45,16 @@ def test_the_plan_is_built_in_the_wire_version_asked_for() -> None:
         assert bodies and {b["v"] for b in bodies} == {version}
         gpus = [b["gpus"] for b in bodies]
         assert all(isinstance(g, list if version == 1 else dict) for g in gpus)
+
+
+def test_the_nodes_post_spread_over_the_second_as_a_fleet_does() -> None:
+    """Agents keep their own schedule from when they started, so a fleet's posts spread over each second: every tenth
+    of a second gets a tenth of 2,048 nodes (within 2 %), each node always at the same phase; --burst puts all at 0."""
+    import numpy as np
+
+    phase = _bench().phase
+    phases = np.array([phase(n) for n in range(2048)])
+    assert ((phases >= 0) & (phases < 1)).all() and phase(7) == phase(7)
+    per_tenth = np.bincount((phases * 10).astype(int), minlength=10)
+    assert len(per_tenth) == 10 and np.abs(per_tenth - 204.8).max() < 0.02 * 2048, per_tenth
+    assert {phase(n, burst=True) for n in range(64)} == {0.0}
