@@ -44,7 +44,7 @@ def run_simulation(sim: SimCluster, sender: Sender, interval: float, duration: f
         if progress and ticks % 10 == 0:
             o = sender.stats.outcomes
             print(f"  t={time.time() - start:5.0f}s step {sim.step:6d}  accepted {o['accepted']}"
-                  f"  failed {sum(v for k, v in o.items() if k not in ('accepted', 'duplicate'))}", flush=True)
+                  f"  failed {sum(v for k, v in o.items() if k not in ('accepted', 'duplicate', 'renumbered'))}", flush=True)
 
 
 def main(args: argparse.Namespace) -> int:

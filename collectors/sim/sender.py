@@ -77,6 +77,10 @@ class Sender:
         self._due: dict[str, float] = {}  # agent_id -> monotonic time of its next post
         self._phased: set[str] = set()
         self._inflight: dict[str, int] = {}  # agent_id -> posts not yet answered
+        # agent_id -> how far its seqs are moved: a simulator started again (`clusterdx demo` twice on one data
+        # directory) numbers its batches from 0 again, which the server holds with other content (409 seq_reused);
+        # like the agent (collectors/agent/spool.py), it then jumps past the whole reused stretch and sends again.
+        self._seq_skip: dict[str, int] = {}
         self._last_call = 0.0
         self._tick_s = 0.0  # the caller's spacing of send() calls, for the slack below
 
@@ -92,10 +96,17 @@ class Sender:
         return conn
 
     def _post(self, batch: dict[str, Any]) -> str:
-        return self._post_batch(batch)[0]
+        outcome = self._post_batch(batch)[0]
+        if outcome == "renumbered":  # sent again under the seq it jumped to
+            outcome = self._post_batch(batch)[0]
+        return outcome
 
     def _post_batch(self, batch: dict[str, Any]) -> tuple[str, float | None]:
-        """POST one batch; returns the outcome and, for 429/503, the seconds to wait before the next try."""
+        """POST one batch; returns the outcome and, for 429/503, the seconds to wait before the next try (0 for a
+        409 seq_reused: the batch is renumbered, to be sent again at once)."""
+        agent = batch.get("agent_id", "")
+        if self._seq_skip.get(agent):
+            batch = {**batch, "seq": batch["seq"] + self._seq_skip[agent]}
         body = gzip.compress(json.dumps(batch, separators=(",", ":")).encode(), self.gzip_level)
         t0 = time.perf_counter()
         retry_after: float | None = None
@@ -113,6 +124,10 @@ class Sender:
                         self.advised_interval_s = advert
                 if response.status in (429, 503):
                     retry_after = _seconds(response.getheader("Retry-After"))
+                elif response.status == 409 and answer.get("error") == "seq_reused":
+                    with self._lock:
+                        self._seq_skip[agent] = self._seq_skip.get(agent, 0) + RENUMBER_SKIP
+                    outcome, retry_after = "renumbered", 0.0
                 break
             except (OSError, http.client.HTTPException) as exc:
                 self.local.conn = None
@@ -175,6 +190,9 @@ class Sender:
             self._queued.clear()
         for batch in rest:
             self._post_batch(batch)
+
+
+RENUMBER_SKIP = 2**32  # as the agent's spool: past any stretch a restarted counter can have reused
 
 
 def _groups(queue: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:

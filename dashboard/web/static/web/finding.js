@@ -93,8 +93,12 @@ function panelLayout(p) {
   if (p.window && p.x !== "category") {
     shapes.push({type: "rect", xref: "x", yref: "paper", x0: xval(p, p.window[0]), x1: xval(p, p.window[1]), y0: 0, y1: 1,
       fillcolor: "#f3a712", opacity: 0.16, line: {width: 0}, layer: "below"});
-    annotations.push({xref: "x", yref: "paper", x: xval(p, p.window[0]), y: 1, text: "detector window", showarrow: false,
-      xanchor: "left", yanchor: "top", font: {size: 10, color: "#9a6a00"}});
+    // Its label reads from the window's start, or, for a window at the newest end, ends at the window's end (a
+    // label from the start of a narrow window there ran off the plot).
+    const all = p.series.flatMap((s) => s.x).filter((v) => typeof v === "number");
+    const atEnd = all.length && p.window[0] > (Math.min(...all) + Math.max(...all)) / 2;
+    annotations.push({xref: "x", yref: "paper", x: xval(p, p.window[atEnd ? 1 : 0]), y: 1, text: "detector window",
+      showarrow: false, xanchor: atEnd ? "right" : "left", yanchor: "top", font: {size: 10, color: "#9a6a00"}});
   }
   for (const m of p.markers) {
     shapes.push({type: "line", xref: "x", yref: "paper", x0: xval(p, m.x), x1: xval(p, m.x), y0: 0, y1: 1,
@@ -105,8 +109,13 @@ function panelLayout(p) {
   const b = p.breach;
   if (b) {
     const ratio = b.threshold ? ` (${fmt(b.y / b.threshold, 2)}× the threshold)` : "";
+    // The label stays inside the plot: the worst point is usually in the detector window at the newest end, where a
+    // label centred on it ran off the right edge; there it ends at the arrow instead, and starts at it near the left.
+    const all = p.series.flatMap((s) => s.x).filter((v) => typeof v === "number");
+    const right = all.length && b.x > (Math.min(...all) + Math.max(...all)) / 2;
     annotations.push({x: xval(p, b.x), y: b.y, text: `${fmt(b.y, 3)} vs ${fmt(b.threshold, 3)}${ratio}`, showarrow: true,
-      arrowhead: 0, ax: -40, ay: -28, font: {size: 11, color: b.over ? SEV_COLORS.critical : "#555"}, bgcolor: "rgba(255,255,255,.85)"});
+      arrowhead: 0, ax: right ? -30 : 30, ay: -28, xanchor: right ? "right" : "left",
+      font: {size: 11, color: b.over ? SEV_COLORS.critical : "#555"}, bgcolor: "rgba(255,255,255,.85)"});
   }
   // Every time panel shares the finding's range: the same instant sits at the same place in each (Grafana's habit).
   const r = data.chart.range;
