@@ -94,11 +94,14 @@ function panelLayout(p) {
     shapes.push({type: "rect", xref: "x", yref: "paper", x0: xval(p, p.window[0]), x1: xval(p, p.window[1]), y0: 0, y1: 1,
       fillcolor: "#f3a712", opacity: 0.16, line: {width: 0}, layer: "below"});
     // Its label reads from the window's start, or, for a window at the newest end, ends at the window's end (a
-    // label from the start of a narrow window there ran off the plot).
+    // label from the start of a narrow window there ran off the plot); and it sits on the side of the plot away from
+    // the worst point's label (bad when above: the worst point is high, so the label goes to the bottom).
     const all = p.series.flatMap((s) => s.x).filter((v) => typeof v === "number");
     const atEnd = all.length && p.window[0] > (Math.min(...all) + Math.max(...all)) / 2;
-    annotations.push({xref: "x", yref: "paper", x: xval(p, p.window[atEnd ? 1 : 0]), y: 1, text: "detector window",
-      showarrow: false, xanchor: atEnd ? "right" : "left", yanchor: "top", font: {size: 10, color: "#9a6a00"}});
+    const top = p.direction === "below";
+    annotations.push({xref: "x", yref: "paper", x: xval(p, p.window[atEnd ? 1 : 0]), y: top ? 1 : 0,
+      text: "detector window", showarrow: false, xanchor: atEnd ? "right" : "left", yanchor: top ? "top" : "bottom",
+      font: {size: 10, color: "#9a6a00"}});
   }
   for (const m of p.markers) {
     shapes.push({type: "line", xref: "x", yref: "paper", x0: xval(p, m.x), x1: xval(p, m.x), y0: 0, y1: 1,
