@@ -23,6 +23,8 @@ def main(args: argparse.Namespace) -> int:
 
     argv = ["worker", "--loglevel=INFO", f"--concurrency={args.concurrency}", "-Q", "clusterdx"]
     if args.beat:
-        argv.append("--beat")
+        # Beat's schedule (when each task last ran) in the data directory, as the compose stack keeps it on its data
+        # volume, never in whatever directory the worker was started from.
+        argv += ["--beat", f"--schedule={settings.DATA_DIR / 'celerybeat-schedule'}"]
     app.worker_main(argv)
     return 0

@@ -72,3 +72,21 @@ def test_the_command_lists_its_subcommands() -> None:
     out = subprocess.run([sys.executable, "-m", "clusterdx", "--help"], capture_output=True, text=True, cwd=ROOT)
     for name in ("demo", "server", "token", "agent", "simulate", "doctor"):
         assert name in out.stdout, name
+
+
+def test_worker_beat_keeps_its_schedule_in_the_data_directory(settings: Any, monkeypatch: Any) -> None:
+    """`clusterdx worker --beat` started from any directory (the ingest benchmark starts one from the checkout)
+    writes beat's schedule into CLUSTERDX_DATA_DIR, as the compose stack keeps it on its data volume: it once
+    left celerybeat-schedule.* in the checkout, where they were committed."""
+    import argparse
+
+    from dashboard.celery import app
+    from dashboard.cli import worker
+
+    settings.REDIS_URL = "redis://127.0.0.1:6379/0"
+    argv: list[list[str]] = []
+    monkeypatch.setattr(app, "worker_main", argv.append)  # the argv Celery would start with, not a worker
+    assert worker.main(argparse.Namespace(beat=True, concurrency=2)) == 0
+    assert f"--schedule={settings.DATA_DIR / 'celerybeat-schedule'}" in argv[0] and "--beat" in argv[0]
+    worker.main(argparse.Namespace(beat=False, concurrency=2))
+    assert not any(a.startswith(("--beat", "--schedule")) for a in argv[1])
