@@ -25,9 +25,9 @@ from django.db.models import Q
 
 from clusterdx.blocks import LAYOUTS
 from dashboard.storage import frames as fr
-from dashboard.storage.models import GPU_TIERS, RollupState
+from dashboard.storage.models import GPU_TIERS
 from dashboard.telemetry.models import GpuFrame, Node
-from dashboard.web.series import TimeRange, _rollup_stats, downsample, downsample_rows
+from dashboard.web.series import TimeRange, _rollup_stats, downsample, downsample_rows, join_series, rollup_split
 
 K = fr.GPUS
 MAX_REASONS = 64  # distinct throttle reasons drawn per range: NVML defines about a dozen
@@ -148,8 +148,7 @@ def _tiered(node_id: int, gpu: int | None, tr: TimeRange, fields: list[str], kee
     since = None
     older: dict[str, dict[str, Any]] = {}
     if tr.tier:
-        through = RollupState.objects.values_list("rolled_through", flat=True).first()
-        since = math.floor(through.timestamp() / tr.bucket_s) * tr.bucket_s if through else tr.t0
+        since = rollup_split(tr)
         windows = GPU_TIERS[tr.tier].objects.filter(ts__lt=_dt(since), **_of(node_id, gpu))
         older = downsample(windows, tr, fields, ["gpu_index"] if per_gpu else None, stats=_rollup_stats, keep=keep)
         if since > tr.t1:
@@ -157,13 +156,7 @@ def _tiered(node_id: int, gpu: int | None, tr: TimeRange, fields: list[str], kee
     rows = _samples(node_id, gpu, max(tr.first_bucket_t, since if since is not None else -math.inf), tr.t1)
     newer = downsample_rows(rows["ts"], {f: rows[f] for f in fields}, tr, fields,
                             groups=[rows["index"]] if per_gpu else None, keep=keep)
-    for key, series in newer.items():
-        into = older.setdefault(key, {"t": [], **{f: {stat: [] for stat in series[f]} for f in fields}})
-        into["t"] += series["t"]
-        for f in fields:
-            for stat in series[f]:
-                into[f][stat] += series[f][stat]
-    return older
+    return join_series(older, newer, fields)
 
 
 def flag_buckets(node_id: int, tr: TimeRange, gpu: int | None = None) -> tuple[list[str], dict[str, dict[str, Any]]]:

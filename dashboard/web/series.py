@@ -247,15 +247,29 @@ def downsample_tiered(model: type[Any], where: dict[str, Any], tr: TimeRange, fi
     qs = model._default_manager.filter(**where)
     if tr.tier == 0:
         return downsample(qs, tr, fields, by, keep=keep)
-    from dashboard.storage.models import ROLLUPS, RollupState
+    from dashboard.storage.models import ROLLUPS
 
     target = ROLLUPS[model][2][tr.tier]
-    through = RollupState.objects.values_list("rolled_through", flat=True).first()
-    split = math.floor(through.timestamp() / tr.bucket_s) * tr.bucket_s if through else tr.t0
+    split = rollup_split(tr)
     at = datetime.fromtimestamp(split, UTC)
     older = downsample(target._default_manager.filter(ts__lt=at, **where), tr, fields, by, stats=_rollup_stats,
                        keep=keep)
     newer = downsample(qs.filter(ts__gte=at), tr, fields, by, keep=keep) if split <= tr.t1 else {}
+    return join_series(older, newer, fields)
+
+
+def rollup_split(tr: TimeRange) -> float:
+    """Where a tiered read of ``tr`` turns from rollup windows to raw samples: the last rollup pass's line, down to
+    a bucket edge (so that no bucket mixes the two); ``tr.t0`` before any pass."""
+    from dashboard.storage.models import RollupState
+
+    through = RollupState.objects.values_list("rolled_through", flat=True).first()
+    return math.floor(through.timestamp() / tr.bucket_s) * tr.bucket_s if through else tr.t0
+
+
+def join_series(older: dict[str, dict[str, Any]], newer: dict[str, dict[str, Any]], fields: list[str]
+                ) -> dict[str, dict[str, Any]]:
+    """``newer``'s buckets (raw samples) after ``older``'s (rollup windows), series by series; ``older`` is extended."""
     for key, series in newer.items():
         into = older.setdefault(key, {"t": [], **{f: {stat: [] for stat in series[f]} for f in fields}})
         into["t"] += series["t"]
