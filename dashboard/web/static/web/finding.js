@@ -101,7 +101,7 @@ function panelLayout(p) {
     const top = p.direction === "below";
     annotations.push({xref: "x", yref: "paper", x: xval(p, p.window[atEnd ? 1 : 0]), y: top ? 1 : 0,
       text: "detector window", showarrow: false, xanchor: atEnd ? "right" : "left", yanchor: top ? "top" : "bottom",
-      font: {size: 10, color: "#9a6a00"}});
+      font: {size: 10, color: "#9a6a00"}, bgcolor: "rgba(255,255,255,.85)"});  // legible over the lines
   }
   for (const m of p.markers) {
     shapes.push({type: "line", xref: "x", yref: "paper", x0: xval(p, m.x), x1: xval(p, m.x), y0: 0, y1: 1,
