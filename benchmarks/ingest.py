@@ -213,22 +213,29 @@ class Plan:
     start: float  # wall time of the first sample
     period_s: int
     by_second: list[list[Post]]  # the posts due right after each second's sample
+    node_seconds: int = 0  # the samples the posts carry, offered
     raw_bytes: int = 0
 
 
 def build(nodes: int, gpus: int, seconds: int, period_s: int, prefix: str, start: float, wire_version: int = 2) -> Plan:
     """Every node's bodies for the run: ``period_s`` seconds of samples each, node ``n`` offset by ``n % period_s`` so
-    the posts spread evenly over the seconds, each numbered after the warm-up's seq 0."""
+    the posts spread evenly over the seconds, each numbered after the warm-up's seq 0.
+
+    A node whose last period began within the run samples on until that period ends (up to ``period_s - 1``
+    seconds past the run) and posts it then, as its agent would: posted at the run's last second, every node's
+    remainder made a burst of up to 3/4 of the fleet in one second, 5 % of all posts, which alone set the p99."""
     sim = SimCluster(parse({"cluster": {"nodes": nodes, "gpus_per_node": gpus, "seed": 3}}), start,
                      agent_prefix=prefix)
-    plan = Plan(start, period_s, [[] for _ in range(seconds)])
+    plan = Plan(start, period_s, [[] for _ in range(seconds + period_s - 1)])
     open_periods: list[list[dict[str, Any]]] = [[] for _ in range(nodes)]
     seq = [1] * nodes
-    for t in range(seconds):
+    for t in range(seconds + period_s - 1):
         for batch in sim.tick(start + t):
             n = int(batch["host"].rsplit("-", 1)[1])
-            open_periods[n].append(batch)
-            if (t + n) % period_s == period_s - 1 or t == seconds - 1:
+            if t < seconds or open_periods[n]:  # past the run: only to complete the node's last period
+                open_periods[n].append(batch)
+        for n in range(nodes):
+            if (t + n) % period_s == period_s - 1 and open_periods[n]:
                 for part in merge(open_periods[n]):
                     body = {**part, "seq": seq[n]}
                     # Version 2: the agent's own encoder (wire_version = 2 in agent.toml).
@@ -236,6 +243,7 @@ def build(nodes: int, gpus: int, seconds: int, period_s: int, prefix: str, start
                                      separators=(",", ":")).encode()
                     plan.raw_bytes += len(raw)
                     plan.by_second[t].append(Post(n, len(open_periods[n]), gzip.compress(raw, 1)))
+                    plan.node_seconds += len(open_periods[n])
                     seq[n] += 1
                 open_periods[n] = []
     return plan
@@ -313,7 +321,7 @@ class Generator:
     async def run(self, plan: Plan, seconds: int) -> None:
         """Queue each second's posts when due; ``connections`` workers post them, oldest first. The backlog of a
         server that falls behind is a plain queue here (cheap), and what is left at the deadline is counted."""
-        self.deadline = plan.start + seconds + self.drain_s
+        self.deadline = plan.start + len(plan.by_second) + self.drain_s  # the run's last periods end past it
         queue: asyncio.Queue[tuple[Post, float]] = asyncio.Queue()
         workers = [asyncio.create_task(self.worker(queue)) for _ in range(self.connections)]
         queued = seen = 0
@@ -324,7 +332,7 @@ class Generator:
                 await asyncio.sleep(max(0.0, due - time.time()))
                 queue.put_nowait((post, due))
             queued += len(posts)
-            if t % 10 == 9:
+            if t % 10 == 9 or t == len(plan.by_second) - 1:
                 # The slice's own p99 too: whether the run's tail is a steady backlog or a few stalls.
                 recent = self.results.latencies_s[seen:]
                 seen = len(self.results.latencies_s)
@@ -548,7 +556,7 @@ def main() -> int:
         log.close()
 
     res = gen.results
-    offered = seconds * args.nodes
+    offered = plan.node_seconds
     lat = res.latencies_s
     print()
     print(f"backend={args.backend} nodes={args.nodes} gpus={args.nodes * args.gpus_per_node} workers={args.workers} "

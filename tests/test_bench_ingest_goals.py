@@ -58,3 +58,18 @@ def test_the_nodes_post_spread_over_the_second_as_a_fleet_does() -> None:
     per_tenth = np.bincount((phases * 10).astype(int), minlength=10)
     assert len(per_tenth) == 10 and np.abs(per_tenth - 204.8).max() < 0.02 * 2048, per_tenth
     assert {phase(n, burst=True) for n in range(64)} == {0.0}
+
+
+def test_the_run_ends_without_a_burst() -> None:
+    """Each second carries a period's share of the fleet's posts, each a whole period: a node whose last period began
+    in the run samples on and posts it when it ends, not with every other node's at the run's last second."""
+    import time
+
+    nodes, seconds, period = 16, 10, 4
+    plan = _bench().build(nodes, 1, seconds, period, "end", time.time())
+    per_second = [len(posts) for posts in plan.by_second]
+    carried = [p.seconds for posts in plan.by_second for p in posts]
+    assert sum(carried) == plan.node_seconds >= nodes * seconds
+    assert max(per_second) == nodes // period, per_second
+    assert set(carried[nodes:]) == {period}, "past each node's first (phase-shortened) post, every post is a period"
+    assert len(per_second) == seconds + period - 1 and per_second[-1] > 0
