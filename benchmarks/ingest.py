@@ -437,6 +437,10 @@ def main() -> int:
     p.add_argument("--burst", action="store_true",
                    help="every node posts at the top of the second (the worst case), not at its own phase")
     # 2, as the agent sends by default (collectors/agent/config.py); 1 to measure what older agents cost.
+    p.add_argument("--pin", choices=["on", "auto", "off"], default="on",
+                   help="CLUSTERDX_PIN_CPU for the server: each web worker's threads on a CPU of its own "
+                   "(dashboard/affinity.py); on, as compose's one web container (auto would not pin this machine, "
+                   "a container that sees all its host's CPUs)")
     p.add_argument("--wire", type=int, choices=[1, 2], default=2,
                    help="the wire version the batches are sent in (2, the agent's default: column blocks, "
                         "clusterdx.blocks; 1: rows)")
@@ -453,6 +457,7 @@ def main() -> int:
 
     data_dir = tempfile.mkdtemp(prefix="cdx-bench-")
     env = server_env(args.backend, data_dir)
+    env["CLUSTERDX_PIN_CPU"] = args.pin
     if args.backend == "pg":
         reset_pg()
     print(f"==> {args.backend}: starting the server (it migrates), creating a user and a token; log {data_dir}/server.log",
@@ -560,7 +565,7 @@ def main() -> int:
     lat = res.latencies_s
     print()
     print(f"backend={args.backend} nodes={args.nodes} gpus={args.nodes * args.gpus_per_node} workers={args.workers} "
-          f"send_interval={period}s connections={args.connections} wire={args.wire}")
+          f"send_interval={period}s connections={args.connections} wire={args.wire} pin={args.pin}")
     print(f"bodies: {len(sizes):,}, gzip mean {sum(sizes) / max(1, len(sizes)) / 1024:.1f} KiB "
           f"({plan.raw_bytes / max(1, sum(sizes)):.1f}x compressed)")
     print(f"node-seconds: offered {offered:,}, accepted {res.accepted_node_s:,} "

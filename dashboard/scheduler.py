@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -70,6 +71,17 @@ async def run_schedule(schedule: dict[str, tuple[str, float]]) -> None:
             due[name] = time.monotonic() + every
 
 
+def _pin_worker() -> None:
+    """A web worker of ``clusterdx server`` on a CPU of its own, before its writer and publisher threads start (they
+    inherit it)."""
+    from dashboard.cli.server import WEB_WORKER_ENV
+
+    if os.environ.get(WEB_WORKER_ENV):
+        from dashboard import affinity
+
+        affinity.claim("web worker", settings.CLUSTERDX["PIN_CPU"])
+
+
 async def lifespan(scope: dict[str, Any], receive: Any, send: Any) -> None:
     from dashboard.live.publish import flush_forever
 
@@ -77,6 +89,7 @@ async def lifespan(scope: dict[str, Any], receive: Any, send: Any) -> None:
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
+            _pin_worker()
             tasks.append(asyncio.create_task(flush_forever()))  # every web worker merges its live updates
             if not settings.REDIS_URL:
                 from dashboard.celery import SCHEDULE

@@ -226,9 +226,12 @@ CLUSTERDX = {
     # Where the group writer runs (dashboard/ingest/commit.py): "thread" (in the web process) or "process" (a child
     # process that checks and stores the bodies: the embedded server's one process then uses two cores).
     "INGEST_WRITER": env_choice("CLUSTERDX_INGEST_WRITER", "thread", ("thread", "process")),
-    # Nodes per second one cluster may post: beyond it the server asks agents for a longer send_interval_s. 1,024:
-    # a post costs about as much as a node-second of records (docs/scaling.md, "The send interval's default"), so
-    # past 1,024 nodes two seconds a post buy a fifth of the server's CPU for a second of freshness.
+    # Each web worker (and the ingest writer process) holds its threads to one CPU of its own (dashboard/affinity.py):
+    # "auto" where no CPU quota is below the visible CPUs, "on" regardless, "off" never.
+    "PIN_CPU": env_choice("CLUSTERDX_PIN_CPU", "auto", ("auto", "on", "off")),
+    # Nodes per second one cluster may post: beyond it the server asks agents for a longer send_interval_s. 512: a
+    # post costs about as much as a node-second of records (docs/scaling.md, "The send interval's default"), so past
+    # 512 nodes two seconds a post (and past 1,024, four) keep ingest's tail under a second on two cores.
     "INGEST_NODES_PER_S": env_int("CLUSTERDX_INGEST_NODES_PER_S", 512, min=1),
     # GET /metrics (Prometheus): a scraper sends this as a bearer token; unset, only loopback and staff may read.
     "METRICS_TOKEN": env_str("CLUSTERDX_METRICS_TOKEN"),

@@ -32,12 +32,14 @@ PY
 )
 
 # The two passes run side by side (most of the suite waits on servers, browsers and sockets, not on the CPU), which
-# keeps CI well under its 25 minutes; CLUSTERDX_TEST_SERIAL=1 runs them one after the other. The PostgreSQL pass
+# keeps CI well under its 25 minutes; CLUSTERDX_TEST_SERIAL=1 runs them one after the other. Each pass's servers claim
+# CPUs among themselves (CLUSTERDX_CPU_CLAIMS, dashboard/affinity.py); the production smoke stack, which runs with
+# compose's environment alone, among the default claims. The PostgreSQL pass
 # leaves the long fuzz variants to the embedded pass (input handling does not depend on the backend) but keeps every
 # slow test that needs PostgreSQL (chaos, the production smoke: tests/server/test_prod_smoke.py starts the compose
 # stack there, as root, through scripts/prod-smoke.sh, and skips in the embedded pass).
 pg_pass() {
-  DATABASE_URL="$PG_URL" REDIS_URL="$RD_URL" CLUSTERDX_DATA_DIR="$PWD/var/test-prod" \
+  DATABASE_URL="$PG_URL" REDIS_URL="$RD_URL" CLUSTERDX_DATA_DIR="$PWD/var/test-prod" CLUSTERDX_CPU_CLAIMS="cdxtest-pg-" \
   CLUSTERDX_REDIS_PREFIX="cdxtest$$" python -m pytest -p no:cacheprovider -m "not browser and (not slow or postgres)" \
     tests/server "$@"
 }
@@ -59,7 +61,7 @@ fi
 
 echo "==> tests, embedded default (SQLite + in-process layers)"
 set +e
-env -u DATABASE_URL -u REDIS_URL CLUSTERDX_DATA_DIR="$PWD/var/test-embedded" \
+env -u DATABASE_URL -u REDIS_URL CLUSTERDX_DATA_DIR="$PWD/var/test-embedded" CLUSTERDX_CPU_CLAIMS="cdxtest-embedded-" \
   python -m pytest -p no:cacheprovider "$@"
 embedded_rc=$?
 pg_rc=0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+WEB_WORKER_ENV = "CLUSTERDX_WEB_WORKER"
+
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=os.environ.get("CLUSTERDX_HOST", "127.0.0.1"))
@@ -46,6 +48,10 @@ def _metrics_dir() -> None:
 
 def serve(host: str, port: int, workers: int = 1) -> None:
     import uvicorn
+
+    # Each worker (uvicorn spawns them with this environment) claims a CPU at its lifespan's start
+    # (dashboard.affinity); an app served by anything else (the tests' servers in threads, the demo) is left alone.
+    os.environ[WEB_WORKER_ENV] = "1"
 
     uvicorn.run("dashboard.asgi:application", host=host, port=port, workers=workers, lifespan="on",
                 log_level=os.environ.get("UVICORN_LOG_LEVEL", "warning"), proxy_headers=True, ws="websockets-sansio")

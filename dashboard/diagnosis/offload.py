@@ -51,6 +51,9 @@ def _child_init(db_name: str) -> None:
 
     settings.DATABASES["default"]["NAME"] = db_name
     django.setup()
+    from dashboard import affinity
+
+    affinity.release()  # spawned by a web worker held to its CPU: the pass runs on any
 
 
 def exit_with_parent(parent: int) -> None:

@@ -231,6 +231,11 @@ def _child_init(db_name: str, turns: Any) -> None:
 
     settings.DATABASES["default"]["NAME"] = db_name  # under the tests, the test database
     django.setup()
+    from dashboard import affinity
+
+    if os.environ.get(affinity.ALLOWED_ENV):  # spawned by a pinned web worker: its two threads (checking the next
+        # group, storing this one) on another CPU of their own
+        affinity.claim("ingest writer", settings.CLUSTERDX["PIN_CPU"])
     from dashboard.ingest import writer
     from dashboard.storage.sqlite import base
 

@@ -42,6 +42,7 @@ from websockets.sync.client import connect
 from tests.alerts.alerts_support import Receiver
 from tests.conftest import port_open, service_missing
 from tests.server.conftest import make_batch
+from tests.server.test_affinity import _cpus_of_threads
 
 # django_db: pytest-django creates the test database only for tests that ask for one. The stack's rows are committed
 # by other processes; the module fixture flushes them at the end, as transactional tests do.
@@ -255,6 +256,9 @@ def test_it_runs_the_compose_commands_as_the_image_user_with_the_app_read_only(s
         for volume in service["volumes"]:
             assert mounts[volume["target"]].split(",")[0] == "rw"
     assert len(stack.web_workers()) == 2, "clusterdx server --workers 2"
+    if len(os.sched_getaffinity(0)) >= 2:  # each worker's threads on a CPU of its own (dashboard/affinity.py)
+        held = [_cpus_of_threads(w.pid) for w in stack.web_workers()]
+        assert all(len(h) == 1 and len(next(iter(h))) == 1 for h in held) and held[0] != held[1], held
     # Inside the stack, the application directory refuses writes even to root; the data volume takes the user's.
     probe = ["nsenter", "--target", str(pids["web"]), "--mount", "--", "touch", f"{stack.plan['root']}/.smoke-probe"]
     refused = subprocess.run(probe, capture_output=True, text=True, timeout=30)
