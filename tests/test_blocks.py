@@ -342,3 +342,29 @@ def test_the_fast_path_agrees_with_the_reference_path_on_any_change(kind: str, w
     elif fast is not None:
         assert refused is None, refused
         _same_batch(fast, reference)
+
+
+def _types(rows: list[Any]) -> list[Any]:
+    return [tuple(map(type, r)) if isinstance(r, tuple) else type(r) for r in rows]
+
+
+def test_a_blocks_rows_read_as_its_records_hold_them_nulls_and_types_included() -> None:
+    """rows_of over a version 2 block (every numeric column converted at once) gives each field exactly as version
+    1's record holds it: ints as ints, flags as bools, None where null, whatever the order the fields are asked in."""
+    from dashboard.ingest.blocks import rows_of
+
+    for kind, rec in ONE.items():
+        layout = blocks.LAYOUTS[kind]
+        nullable = {c.name: None for c in layout.numbers if c.nullable}
+        assert nullable, kind
+        recs = [rec, {**rec, **nullable}, rec]
+        blk = server.decode_block(kind, _wire(blocks.encode_block(kind, [_v1(kind, r) for r in recs])))
+        server.check([blk])
+        want = server.records(blk)
+        assert any(v is None for r in want for v in r.values()), kind
+        names = [c.name for c in layout.numbers][::-1] + list(layout.others)
+        for fields in (names, names[:1], [names[-1], names[0]]):
+            got = list(rows_of(blk, wire.Fields(*fields)))
+            expect = [tuple(r[f] for f in fields) if len(fields) > 1 else r[fields[0]] for r in want]
+            assert got == expect, (kind, fields)
+            assert _types(got) == _types(expect), (kind, fields)

@@ -22,7 +22,7 @@ import math
 import re
 import typing
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -45,6 +45,8 @@ class Block:
     mat: np.ndarray
     cols: dict[str, list[Any]]
     checked: bool = True
+    # the numeric columns as values() gives them, made once per block
+    _py: dict[str, list[Any]] | None = field(default=None, compare=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.mat)
@@ -54,25 +56,35 @@ class Block:
         return self.mat[:, _BOUNDS[self.kind].index[name]]
 
     def values(self, name: str) -> list[Any]:
-        """A field's values as version 1's records hold them: None for null, whole numbers as ints, flags as bools."""
+        """A field's values as version 1's records hold them: None for null, whole numbers as ints, flags as bools.
+        The list is the block's own (shared by every reader of the block): read it, never change it."""
         at = _BOUNDS[self.kind].index.get(name)
         if at is None:
             return self.cols[name]
-        # numpy converts the column (a Python loop over its values was ~6 % of the server's CPU at 2,048 nodes, the
-        # live publisher's rows of every post): whole numbers to int64 (the wire bounds them inside it), flags to
-        # bool, then None where the value is null.
-        col = self.mat[:, at]
-        null = np.isnan(col)
-        typ = LAYOUTS[self.kind].numbers[at].type
-        if typ == "float":
-            out = col.tolist()
-        elif typ == "int":
-            out = (np.where(null, 0.0, col) if null.any() else col).astype(np.int64).tolist()
-        else:
-            out = (col != 0).tolist()
-        for i in np.flatnonzero(null).tolist():
-            out[i] = None
-        return out
+        if self._py is None:
+            self._py = self._python()
+        return self._py[name]
+
+    def _python(self) -> dict[str, list[Any]]:
+        # The whole matrix at once, a few numpy calls whatever the number of columns: the live publisher and the
+        # writer read up to 9 columns of each of a post's blocks, and numpy's cost per call, not per value, was most
+        # of it (rows of 8 to 32 values). Whole numbers go through int64 (the wire bounds them inside it), flags
+        # through bool, then None where the value is null.
+        b = _BOUNDS[self.kind]
+        cols = self.mat.T
+        out = cols.tolist()
+        null = np.isnan(cols)
+        if len(b.int_at):
+            for at, col in zip(b.int_at.tolist(), np.where(null[b.int_at], 0.0, cols[b.int_at]).astype(np.int64).tolist(),
+                               strict=True):
+                out[at] = col
+        if len(b.bool_at):
+            for at, col in zip(b.bool_at.tolist(), (cols[b.bool_at] != 0).tolist(), strict=True):
+                out[at] = col
+        if null.any():
+            for at, i in zip(*(a.tolist() for a in np.nonzero(null)), strict=True):
+                out[at][i] = None
+        return {name: out[at] for name, at in b.index.items()}
 
 
 def rows_of(records: list[Any] | Block, fields: wire.Fields) -> Iterable[Any]:
@@ -93,12 +105,16 @@ class _Bounds:
     nullable: np.ndarray
     index: dict[str, int]
     whole_at: np.ndarray  # the columns of ``whole``, by number
+    int_at: np.ndarray  # of those, the ints
+    bool_at: np.ndarray  # and the flags
 
 
 _BOUNDS = {kind: _Bounds(np.array([c.lo for c in lay.numbers]), np.array([c.hi for c in lay.numbers]),
                          np.array([c.type != "float" for c in lay.numbers]),
                          np.array([c.nullable for c in lay.numbers]), {c.name: i for i, c in enumerate(lay.numbers)},
-                         np.array([i for i, c in enumerate(lay.numbers) if c.type != "float"]))
+                         np.array([i for i, c in enumerate(lay.numbers) if c.type != "float"], dtype=np.intp),
+                         np.array([i for i, c in enumerate(lay.numbers) if c.type == "int"], dtype=np.intp),
+                         np.array([i for i, c in enumerate(lay.numbers) if c.type == "bool"], dtype=np.intp))
            for kind, lay in LAYOUTS.items()}
 # Each non-numeric field's own check, as version 1's reference path compiles it (None passes where the field is
 # optional), and as msgspec types of a whole column (wire_compiled, the same declarations): the fast path, which
