@@ -86,8 +86,8 @@ def claim(role: str, mode: str = "auto", quota: float | None = None, container: 
         return None
     if _held:
         return next(iter(os.sched_getaffinity(0)))
-    release()  # a process spawned by a pinned one starts on its parent's CPU: choose from the server's
-    allowed = sorted(os.sched_getaffinity(0))
+    # The server's CPUs: a process spawned by a pinned one (the ingest writer) starts on its parent's one CPU.
+    allowed = sorted(_server_cpus() or os.sched_getaffinity(0))
     if len(allowed) < 2:
         return None
     quota = quota_cpus() if quota is None else quota
@@ -102,40 +102,45 @@ def claim(role: str, mode: str = "auto", quota: float | None = None, container: 
         return None
     os.environ.setdefault(ALLOWED_ENV, ",".join(map(str, allowed)))  # before a child is spawned: it goes back to all
     for cpu in allowed:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(_name(cpu))
-        except OSError:  # another server process holds it
-            sock.close()
-            continue
-        _held.append(sock)
-        _set({cpu})
-        log.info("%s (pid %d): its threads pinned to CPU %d", role, os.getpid(), cpu)
-        return cpu
+        sock = _bind(cpu)
+        if sock is not None:
+            _held.append(sock)
+            _set({cpu})
+            log.info("%s (pid %d): its threads pinned to CPU %d", role, os.getpid(), cpu)
+            return cpu
     log.info("%s: not pinned to a CPU: every one of %s is claimed by another server process", role, allowed)
+    release()
     return None
 
 
-def _name(cpu: int) -> str:
-    return f"\0{os.environ.get(CLAIMS_ENV, 'clusterdx-cpu-')}{cpu}"
+def _bind(cpu: int) -> socket.socket | None:
+    """The claim on ``cpu`` (a bound socket, held while it is open), or None when another process holds it."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(f"\0{os.environ.get(CLAIMS_ENV, 'clusterdx-cpu-')}{cpu}")
+    except OSError:
+        sock.close()
+        return None
+    return sock
 
 
 def _claimed(cpu: int) -> bool:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(_name(cpu))
-    except OSError:
+    sock = _bind(cpu)
+    if sock is None:
         return True
-    finally:
-        sock.close()
+    sock.close()
     return False
+
+
+def _server_cpus() -> set[int]:
+    allowed = os.environ.get(ALLOWED_ENV)
+    return {int(c) for c in allowed.split(",")} if allowed else set()
 
 
 def release() -> None:
     """In a process spawned by a pinned one (it starts on its parent's one CPU): onto the CPUs the server was started
     with that no server process has claimed (the diagnosis pass off the web worker's CPU), or all of them when every
     one is claimed."""
-    allowed = os.environ.get(ALLOWED_ENV)
-    if allowed and hasattr(os, "sched_setaffinity") and not _held:
-        cpus = {int(c) for c in allowed.split(",")}
+    cpus = _server_cpus()
+    if cpus and hasattr(os, "sched_setaffinity") and not _held:
         _set({c for c in cpus if not _claimed(c)} or cpus)

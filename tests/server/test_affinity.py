@@ -51,10 +51,11 @@ def _cpus_of_threads(pid: int) -> set[frozenset[int]]:
     return out
 
 
-def _claimer(mode: str = "auto", quota: float | None = None, container: bool = False) -> subprocess.Popen[str]:
+def _claimer(mode: str = "auto", quota: float | None = None, container: bool = False,
+             child: str = "release") -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != affinity.ALLOWED_ENV}
     argv = [sys.executable, str(Path(__file__).with_name("affinity_claimer.py")), mode, str(quota).lower(),
-            str(int(container))]
+            str(int(container)), child]
     return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
@@ -90,6 +91,17 @@ def test_a_spawned_child_runs_off_its_pinned_parents_cpu() -> None:
         cpu, child = _claimed_by(proc)
         assert cpu is not None and child and cpu not in child, (cpu, child)
         assert set(child) <= set(_free_cpus()) | {cpu}
+    finally:
+        proc.communicate("", timeout=30)
+
+
+@needs_two
+def test_a_spawned_child_claims_a_cpu_of_its_own_beside_its_parents() -> None:
+    """As the ingest writer's process does: it starts on its parent's one CPU, and claims another of the server's."""
+    proc = _claimer(child="claim")
+    try:
+        cpu, child = _claimed_by(proc)
+        assert cpu is not None and child != [-1] and child != [cpu], (cpu, child)
     finally:
         proc.communicate("", timeout=30)
 
