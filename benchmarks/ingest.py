@@ -318,7 +318,7 @@ class Generator:
             self.results.accepted_node_s += post.seconds
         return status
 
-    async def run(self, plan: Plan, seconds: int) -> None:
+    async def run(self, plan: Plan) -> None:
         """Queue each second's posts when due; ``connections`` workers post them, oldest first. The backlog of a
         server that falls behind is a plain queue here (cheap), and what is left at the deadline is counted."""
         self.deadline = plan.start + len(plan.by_second) + self.drain_s  # the run's last periods end past it
@@ -541,7 +541,7 @@ def main() -> int:
         cpu0, me0, db0 = server_watch.cpu_s(), sum(me.cpu_times()[:2]), database_cpu()
         print(f"==> {args.nodes} nodes x {args.gpus_per_node} GPUs at 1 Hz for {seconds} s", flush=True)
         t0 = time.monotonic()
-        loop.run_until_complete(gen.run(plan, seconds))
+        loop.run_until_complete(gen.run(plan))
         wall = time.monotonic() - t0
         cpu1, me1, db1 = server_watch.cpu_s(), sum(me.cpu_times()[:2]), database_cpu()
         time.sleep(1.0)

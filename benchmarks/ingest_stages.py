@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -45,18 +44,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.pin:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before any thread starts: all inherit it
-    os.environ.setdefault("CLUSTERDX_DATA_DIR", tempfile.mkdtemp(prefix="cdx-stages-"))
-    for name in ("DATABASE_URL", "REDIS_URL"):
-        os.environ.pop(name, None)
-    os.environ["DJANGO_SETTINGS_MODULE"] = "dashboard.settings"
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-    from django.db import connection
-
-    call_command("migrate", verbosity=0)
     import ingest as bench
+    from ingest_inproc import _checkpoint, _setup
+
+    _setup("sqlite")  # the embedded default in a temporary data directory, migrated
 
     from dashboard.ingest import asgi
     from dashboard.ingest import writer as w
@@ -101,10 +92,7 @@ def main() -> None:
         spent["check"] += t1 - t0
         spent["store"] += t2 - t1
         spent["publish"] += t3 - t2
-    t0 = clock()
-    with connection.cursor() as cursor:  # what the commits left in SQLite's log, copied now: counted, not deferred
-        cursor.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    spent["store"] += clock() - t0
+    spent["store"] += _checkpoint(clock)  # what the commits left in SQLite's log, copied now: counted, not deferred
     stop.set()
     node_s = sum(p.seconds for p in rest)
     print(f"{len(rest)} posts, {node_s} node-seconds, groups of {args.group}; contend={args.contend} pin={args.pin}")

@@ -34,8 +34,8 @@ PY
 # The two passes run side by side (most of the suite waits on servers, browsers and sockets, not on the CPU), which
 # keeps CI well under its 25 minutes; CLUSTERDX_TEST_SERIAL=1 runs them one after the other. Each pass's servers claim
 # CPUs among themselves (CLUSTERDX_CPU_CLAIMS, dashboard/affinity.py); the production smoke stack, which runs with
-# compose's environment alone, among the default claims. The PostgreSQL pass
-# leaves the long fuzz variants to the embedded pass (input handling does not depend on the backend) but keeps every
+# compose's environment alone, among the default claims. The PostgreSQL pass leaves the long fuzz variants to the
+# embedded pass (input handling does not depend on the backend) but keeps every
 # slow test that needs PostgreSQL (chaos, the production smoke: tests/server/test_prod_smoke.py starts the compose
 # stack there, as root, through scripts/prod-smoke.sh, and skips in the embedded pass).
 pg_pass() {
