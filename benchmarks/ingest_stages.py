@@ -10,13 +10,17 @@ thread's own CPU (``time.thread_time``), so the contending thread's work is not 
     python benchmarks/ingest_stages.py                       # alone
     python benchmarks/ingest_stages.py --contend             # a busy thread beside it, on any CPU
     python benchmarks/ingest_stages.py --contend --pin       # the same two threads on one CPU
+    python benchmarks/ingest_stages.py --profile store       # and where one stage's time goes (cProfile)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
 import os
+import pstats
 import sys
 import threading
 import time
@@ -41,6 +45,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8, help="posts per commit (the 2,048-node run averages 7)")
     ap.add_argument("--contend", action="store_true", help="a thread that keeps the GIL busy beside the measured one")
     ap.add_argument("--pin", action="store_true", help="the whole process on one CPU")
+    ap.add_argument("--profile", choices=["check", "store", "publish"],
+                    help="print where that stage's time goes (cProfile, its functions by own time); the stages' "
+                         "times then include the profiler's")
     args = ap.parse_args()
     if args.pin:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before any thread starts: all inherit it
@@ -79,14 +86,22 @@ def main() -> None:
         threading.Thread(target=_busy, args=(stop,), daemon=True).start()
     spent = {"check": 0.0, "store": 0.0, "publish": 0.0}
     clock = time.thread_time
+    profiler = cProfile.Profile()
+
+    def stage(name: str) -> contextlib.AbstractContextManager[Any]:
+        return profiler if name == args.profile else contextlib.nullcontext()
+
     for i in range(0, len(rest), args.group):
         t0 = clock()
-        group = [checked(p.body) for p in rest[i:i + args.group]]
+        with stage("check"):
+            group = [checked(p.body) for p in rest[i:i + args.group]]
         t1 = clock()
-        w.store_group([(cluster, c.batch, c.digest) for c in group])
+        with stage("store"):
+            w.store_group([(cluster, c.batch, c.digest) for c in group])
         t2 = clock()
-        for items in published:
-            publish_batches(items)
+        with stage("publish"):
+            for items in published:
+                publish_batches(items)
         published.clear()
         t3 = clock()
         spent["check"] += t1 - t0
@@ -100,6 +115,9 @@ def main() -> None:
         print(f"  {stage:8} {s / len(rest) * 1e6:6.0f} us a post  {s / node_s * 1e3:.3f} ms a node-second")
     total = sum(spent.values())
     print(f"  {'total':8} {total / len(rest) * 1e6:6.0f} us a post  {total / node_s * 1e3:.3f} ms a node-second")
+    if args.profile:
+        print(f"\n==> where {args.profile}'s time goes (cProfile: the 25 functions with the most own time)")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ So every answer, accepted dict or error, is the reference path's; tests/test_wir
 from __future__ import annotations
 
 import math
+import re
 import sys
 import typing
 from functools import cache
@@ -28,8 +29,9 @@ from clusterdx import wire
 _FINITE = {"ge": -sys.float_info.max, "le": sys.float_info.max}
 
 
-def _meta(meta: list[Any], kind: type) -> msgspec.Meta | None:
-    """The msgspec constraint for a wire type's ``Range``, ``Len`` and ``Pattern`` markers (``kind`` is its base)."""
+def _meta(meta: list[Any], kind: type, patterns: bool = True) -> msgspec.Meta | None:
+    """The msgspec constraint for a wire type's ``Range``, ``Len`` and ``Pattern`` markers (``kind`` is its base);
+    without its ``Pattern`` unless ``patterns``."""
     out: dict[str, Any] = dict(_FINITE) if kind is float else {}
     for m in meta:
         if isinstance(m, wire.Range):
@@ -41,9 +43,8 @@ def _meta(meta: list[Any], kind: type) -> msgspec.Meta | None:
             out["max_length"] = m.max
             if m.min:
                 out["min_length"] = m.min
-        elif isinstance(m, wire.Pattern):
-            # msgspec searches; the reference validator fullmatches ("$" would also match before a final newline).
-            out["pattern"] = rf"\A(?:{m.regex})\Z"
+        elif isinstance(m, wire.Pattern) and patterns:
+            out["pattern"] = _anchored(m.regex)
     if kind is int and ("ge" not in out or "le" not in out):
         # json.loads refuses integers over sys.get_int_max_str_digits() digits and msgspec does not: every integer the
         # wire carries is bounded (a database column holds it), which also keeps the two parsers' answers the same.
@@ -55,19 +56,20 @@ def _constrained(tp: Any, constraint: msgspec.Meta | None) -> Any:
     return tp if constraint is None else Annotated[tp, constraint]
 
 
-def _type(tp: Any) -> Any:
-    """The msgspec annotation for one wire annotation."""
+def _type(tp: Any, patterns: bool = True) -> Any:
+    """The msgspec annotation for one wire annotation; with ``patterns`` False, a string's ``Pattern`` is left for
+    the caller to check (see :func:`pattern`), at this level only: a record inside keeps all of its own."""
     tp, meta = wire._split_annotated(tp)
     origin = typing.get_origin(tp)
     if tp in (str, int, float, bool):
-        return _constrained(tp, _meta(meta, tp))
+        return _constrained(tp, _meta(meta, tp, patterns))
     if origin not in (list, dict) and any(isinstance(m, (wire.Range, wire.Len, wire.Pattern)) for m in meta):
         raise TypeError(f"constraints on {tp!r} are not supported (put them inside the union)")
     if origin is Literal:
         return tp
     if origin is list:
         (item,) = typing.get_args(tp)
-        return _constrained(list[_type(item)], _meta(meta, list))
+        return _constrained(list[_type(item, patterns)], _meta(meta, list))
     if origin is dict:
         # The key type is the wire's, whatever the declaration says: the reference validator checks keys alike.
         return _constrained(dict[_type(wire.DictKey), _type(typing.get_args(tp)[1])], _meta(meta, dict))
@@ -76,8 +78,26 @@ def _type(tp: Any) -> Any:
     args = typing.get_args(tp)
     if len(args) == 2 and type(None) in args:  # T | None
         (inner,) = [a for a in args if a is not type(None)]
-        return _type(inner) | None
+        return _type(inner, patterns) | None
     raise TypeError(f"unsupported wire type {tp!r}")
+
+
+def pattern(tp: Any) -> re.Pattern[str] | None:
+    """The ``Pattern`` of a string type (or of its ``| None``), compiled as msgspec searches it; None for other types.
+    Where a column of a post repeats one value (a run's name in each of its steps, a peer in each probe round) the
+    caller checks each distinct value once, not each row: msgspec runs the regular expression for every string."""
+    tp, meta = wire._split_annotated(tp)
+    args = typing.get_args(tp)
+    if len(args) == 2 and type(None) in args and not meta:
+        (tp,) = [a for a in args if a is not type(None)]
+        tp, meta = wire._split_annotated(tp)
+    pat = next((m for m in meta if isinstance(m, wire.Pattern)), None)
+    return re.compile(_anchored(pat.regex)) if tp is str and pat is not None else None
+
+
+def _anchored(regex: str) -> str:
+    # msgspec searches; the reference validator fullmatches ("$" would also match before a final newline).
+    return rf"\A(?:{regex})\Z"
 
 
 class Struct(msgspec.Struct):

@@ -298,6 +298,31 @@ def test_the_fast_path_never_takes_what_the_reference_path_refuses() -> None:
         assert isinstance(_outcome(server.parse_v2, body), wire.WireError), kind
 
 
+def test_a_patterned_column_is_checked_once_per_value_and_never_less(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's name or a peer is checked once per distinct value of a post and remembered once it passed: a value
+    seen before never lets a new one through, and what is remembered is bounded."""
+    def fast(kind: str, field: str, values: list[Any]) -> Any:
+        post = _post()
+        post[kind]["cols"][field] = values
+        return server._parse_v2_fast(json.dumps(post).encode())
+
+    assert fast("steps", "run", ["llama-8b", "llama-8b"]) is not None
+    assert "llama-8b" in server._PASSED[server._PATTERNS["steps"]["run"]]
+    for kind, field, bad in [("steps", "run", "bad run!"), ("beats", "run", "-starts-with-a-dash"),
+                             ("probes", "peer", "node-007\n"), ("probes", "peer", "")]:
+        assert fast(kind, field, [ONE[kind][field], bad]) is None, (kind, bad)  # the reference path words it
+        assert isinstance(_outcome(server.parse_v2, json.dumps({**_post(), kind: {
+            **_post()[kind], "cols": {**_post()[kind]["cols"], field: [ONE[kind][field], bad]}}}).encode()),
+            wire.WireError)
+        assert bad not in server._PASSED[server._PATTERNS[kind][field]]
+    monkeypatch.setattr(server, "PASSED_MAX", 4)
+    monkeypatch.setattr(server, "_PASSED", {})
+    for i in range(0, 10, 2):
+        assert fast("probes", "peer", [f"node-{i}", f"node-{i + 1}"]) is not None
+    assert len(server._PASSED[server._PATTERNS["probes"]["peer"]]) == 4
+    assert fast("probes", "peer", ["node-0", "node 0"]) is None  # still checked once the memo is full
+
+
 NUMBERS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
                     st.text(max_size=4), st.lists(st.integers(0, 3), max_size=2))
 

@@ -45,8 +45,9 @@ class Block:
     mat: np.ndarray
     cols: dict[str, list[Any]]
     checked: bool = True
-    # the numeric columns as values() gives them, made once per block
-    _py: dict[str, list[Any]] | None = field(default=None, compare=False, repr=False)
+    # the numeric columns values() was asked for, each made once per block; and which columns hold a null
+    _py: dict[str, list[Any]] = field(default_factory=dict, compare=False, repr=False)
+    _nulls: list[bool] | None = field(default=None, compare=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.mat)
@@ -58,33 +59,32 @@ class Block:
     def values(self, name: str) -> list[Any]:
         """A field's values as version 1's records hold them: None for null, whole numbers as ints, flags as bools.
         The list is the block's own (shared by every reader of the block): read it, never change it."""
+        got = self._py.get(name)
+        if got is not None:
+            return got
         at = _BOUNDS[self.kind].index.get(name)
         if at is None:
             return self.cols[name]
-        if self._py is None:
-            self._py = self._python()
-        return self._py[name]
+        got = self._py[name] = self._python(at)
+        return got
 
-    def _python(self) -> dict[str, list[Any]]:
-        # The whole matrix at once, a few numpy calls whatever the number of columns: the live publisher and the
-        # writer read up to 9 columns of each of a post's blocks, and numpy's cost per call, not per value, was most
-        # of it (rows of 8 to 32 values). Whole numbers go through int64 (the wire bounds them inside it), flags
-        # through bool, then None where the value is null.
-        b = _BOUNDS[self.kind]
-        cols = self.mat.T
-        out = cols.tolist()
-        null = np.isnan(cols)
-        if len(b.int_at):
-            for at, col in zip(b.int_at.tolist(), np.where(null[b.int_at], 0.0, cols[b.int_at]).astype(np.int64).tolist(),
-                               strict=True):
-                out[at] = col
-        if len(b.bool_at):
-            for at, col in zip(b.bool_at.tolist(), (cols[b.bool_at] != 0).tolist(), strict=True):
-                out[at] = col
-        if null.any():
-            for at, i in zip(*(a.tolist() for a in np.nonzero(null)), strict=True):
-                out[at][i] = None
-        return {name: out[at] for name, at in b.index.items()}
+    def _python(self, at: int) -> list[Any]:
+        # Only the columns asked for, each when first asked: the live publisher and the writer read 5 to 8 of a
+        # block's columns (6 of a GPU block's 34), and making the whole matrix Python values cost 3.5x as much a
+        # post. Which columns hold a null is one call for the whole matrix; a column without one (most) is then
+        # one or two numpy calls. Whole numbers go through int64 (the wire bounds them inside it), flags through bool.
+        if self._nulls is None:
+            self._nulls = np.isnan(self.mat).any(axis=0).tolist()
+        col, kind = self.mat[:, at], _BOUNDS[self.kind].types[at]
+        if not self._nulls[at]:
+            return (col.tolist() if kind == "float" else col.astype(np.int64).tolist() if kind == "int"
+                    else (col != 0).tolist())
+        null = np.isnan(col)
+        out = (col.tolist() if kind == "float" else np.where(null, 0.0, col).astype(np.int64).tolist()
+               if kind == "int" else (col != 0).tolist())
+        for i in np.flatnonzero(null).tolist():
+            out[i] = None
+        return out
 
 
 def rows_of(records: list[Any] | Block, fields: wire.Fields) -> Iterable[Any]:
@@ -105,16 +105,14 @@ class _Bounds:
     nullable: np.ndarray
     index: dict[str, int]
     whole_at: np.ndarray  # the columns of ``whole``, by number
-    int_at: np.ndarray  # of those, the ints
-    bool_at: np.ndarray  # and the flags
+    types: tuple[str, ...]  # each column's type: "float", "int" or "bool"
 
 
 _BOUNDS = {kind: _Bounds(np.array([c.lo for c in lay.numbers]), np.array([c.hi for c in lay.numbers]),
                          np.array([c.type != "float" for c in lay.numbers]),
                          np.array([c.nullable for c in lay.numbers]), {c.name: i for i, c in enumerate(lay.numbers)},
                          np.array([i for i, c in enumerate(lay.numbers) if c.type != "float"], dtype=np.intp),
-                         np.array([i for i, c in enumerate(lay.numbers) if c.type == "int"], dtype=np.intp),
-                         np.array([i for i, c in enumerate(lay.numbers) if c.type == "bool"], dtype=np.intp))
+                         tuple(c.type for c in lay.numbers))
            for kind, lay in LAYOUTS.items()}
 # Each non-numeric field's own check, as version 1's reference path compiles it (None passes where the field is
 # optional), and as msgspec types of a whole column (wire_compiled, the same declarations): the fast path, which
@@ -381,10 +379,33 @@ def parse_v2(body: bytes) -> dict[str, Any]:
 
 
 def _cols_struct(kind: str) -> type[msgspec.Struct]:
-    """A block's ``cols``: each other field a list of its wire type (None when the post leaves the field out)."""
+    """A block's ``cols``: each other field a list of its wire type (None when the post leaves the field out), but
+    a patterned string's pattern, which :func:`_fast_block` checks once per distinct value (:data:`_PATTERNS`)."""
     lay = LAYOUTS[kind]
-    fields = [(f, list[wire_compiled._type(wire._fields(lay.record)[f][0])] | None, None) for f in lay.others]  # type: ignore[misc]
+    fields = [(f, list[wire_compiled._type(tp, patterns=f not in _PATTERNS[kind])] | None, None)  # type: ignore[misc]
+              for f, tp in ((f, wire._fields(lay.record)[f][0]) for f in lay.others)]
     return msgspec.defstruct(f"{lay.record.__name__}Cols", fields, kw_only=True, forbid_unknown_fields=True, gc=False)
+
+
+# Per kind, its columns of patterned strings (a step's or beat's run, a probe's peer) and their patterns. A post's
+# column repeats a few values (one run, a node's peers): msgspec ran the pattern for each row, a third of the
+# decoding of a post; here each distinct value is checked once, and a value that passed is remembered.
+_PATTERNS = {kind: {f: p for f in lay.others if (p := wire_compiled.pattern(wire._fields(lay.record)[f][0]))}
+             for kind, lay in LAYOUTS.items()}
+_PASSED: dict[re.Pattern[str], set[str]] = {}
+PASSED_MAX = 8192  # values remembered per pattern (hostile posts may send any number of valid ones)
+
+
+def _matches(pattern: re.Pattern[str], values: list[Any]) -> bool:
+    """Whether every string of ``values`` matches ``pattern`` (None passes: the column's type said where it may be)."""
+    passed = _PASSED.setdefault(pattern, set())
+    for v in set(values).difference(passed):
+        if v is not None:
+            if not pattern.search(v):
+                return False
+            if len(passed) < PASSED_MAX:
+                passed.add(v)
+    return True
 
 
 def _block_struct(kind: str) -> type[msgspec.Struct]:
@@ -471,6 +492,8 @@ def _fast_block(kind: str, raw: Any) -> Block | None:
             return None
         elif f in _NESTED[kind]:
             values = msgspec.to_builtins(values)
+        elif f in _PATTERNS[kind] and not _matches(_PATTERNS[kind][f], values):
+            return None
         cols[f] = values
     return Block(kind, mat, cols, checked=False)  # its numbers: the group writer's (check_posts)
 

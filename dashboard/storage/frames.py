@@ -169,7 +169,12 @@ def matrix(kind: Kind, rows: list[tuple[Any, ...]]) -> np.ndarray:
 
 def objects(kind: Kind, columns: dict[str, list[Any]]) -> dict[str, list[Any]]:
     """The object fields worth storing: those with a value in any row (an all-null field costs no bytes)."""
-    return {f: v for f, v in columns.items() if f in kind.objects and any(x is not None for x in v)}
+    return {f: v for f, v in columns.items() if f in kind.objects and _has_value(v)}
+
+
+def _has_value(values: list[Any]) -> bool:
+    # list.count runs in C: a generator over each post's object fields was 8 us a post in the writer
+    return values.count(None) < len(values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +237,7 @@ def build_group(kind: Kind, parts: list[Part]) -> list[tuple[int, Built]]:
     out = []
     for f, (a, b) in enumerate(itertools.pairwise(bounds)):
         sub = {name: v[a:b] for name, v in objs.items()}
-        sub = {name: v for name, v in sub.items() if any(x is not None for x in v)}
+        sub = {name: v for name, v in sub.items() if _has_value(v)}
         extra: dict[str, Any] = {}
         if kind is STEPS:
             extra = {"run_id": int(run[f]), "rank_group": int(group[f]), "step_lo": _int64(lo[f]),
