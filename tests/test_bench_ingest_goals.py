@@ -33,6 +33,27 @@ def test_each_goal_is_judged_by_the_run_numbers() -> None:
     assert _verdicts(goals(1.0, 0.4, None, 0.45, None, 300)) == ["met", "met", "no data", "met", "no data", "met"]
 
 
+def test_the_pass_goal_counts_the_passes_of_the_run_only() -> None:
+    """Read from the server's own /metrics text, scraped as the run starts and as it ends: the warm-up's cold first
+    pass (3 s here) is not one of the run's; their bucket counts say how many of the run's took at most 1 s."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    bench = _bench()
+    registry = CollectorRegistry()
+    hist = Histogram(bench.PASS, "passes", registry=registry, buckets=(0.5, 1.0, 2.5, 5.0))
+
+    def scraped() -> dict[str, float]:
+        return bench.parse_metrics(generate_latest(registry).decode())
+
+    assert bench.passes_in_run({}, scraped()) == (0, None, "no pass ended during the run")
+    hist.observe(3.0)  # warm-up
+    before = scraped()
+    for took in (0.8, 0.9, 1.3):
+        hist.observe(took)
+    n, mean, text = bench.passes_in_run(before, scraped())
+    assert (n, round(mean, 3)) == (3, 1.0) and text == "3 ended during the run, mean 1.00 s, 2 of them within 1 s"
+
+
 def test_the_plan_is_built_in_the_wire_version_asked_for() -> None:
     import gzip
     import json
