@@ -38,6 +38,11 @@ GROUP_BATCHES = Histogram("clusterdx_ingest_batches_per_commit", "Batches stored
                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 DIAGNOSIS_SECONDS = Histogram("clusterdx_diagnosis_pass_seconds", "Duration of one diagnosis pass over a cluster",
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+# Where a pass's time goes, summed (a part's mean is its sum over the passes' count): reading the window, the
+# detectors, the findings' reconcile, and the embedded pass's trip to its process and back (the beats pickled, the
+# detections returned; the server's own threads are busy with ingest meanwhile).
+DIAGNOSIS_PART_SECONDS = Counter("clusterdx_diagnosis_pass_part_seconds", "Seconds of diagnosis passes, by part",
+                                 ["part"])
 WRITE_TURN_SECONDS = Histogram("clusterdx_db_write_wait_seconds",
                                "Time a write transaction waited for its turn (the embedded SQLite backend's queue)",
                                buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))

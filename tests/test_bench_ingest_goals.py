@@ -36,11 +36,15 @@ def test_each_goal_is_judged_by_the_run_numbers() -> None:
 def test_the_pass_goal_counts_the_passes_of_the_run_only() -> None:
     """Read from the server's own /metrics text, scraped as the run starts and as it ends: the warm-up's cold first
     pass (3 s here) is not one of the run's; their bucket counts say how many of the run's took at most 1 s."""
-    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from dashboard import metrics
 
     bench = _bench()
     registry = CollectorRegistry()
     hist = Histogram(bench.PASS, "passes", registry=registry, buckets=(0.5, 1.0, 2.5, 5.0))
+    assert metrics.DIAGNOSIS_PART_SECONDS._name == bench.PASS.replace("_seconds", "_part_seconds")  # the server's
+    parts = Counter(metrics.DIAGNOSIS_PART_SECONDS._name, "parts", ["part"], registry=registry)
 
     def scraped() -> dict[str, float]:
         return bench.parse_metrics(generate_latest(registry).decode())
@@ -50,8 +54,12 @@ def test_the_pass_goal_counts_the_passes_of_the_run_only() -> None:
     before = scraped()
     for took in (0.8, 0.9, 1.3):
         hist.observe(took)
+        parts.labels("load").inc(took * 0.75)
+        parts.labels("detect").inc(took * 0.25)
     n, mean, text = bench.passes_in_run(before, scraped())
-    assert (n, round(mean, 3)) == (3, 1.0) and text == "3 ended during the run, mean 1.00 s, 2 of them within 1 s"
+    assert (n, round(mean, 3)) == (3, 1.0)
+    assert text == ("3 ended during the run, mean 1.00 s, 2 of them within 1 s (on average: load 0.75 s, "
+                    "detect 0.25 s)")
 
 
 def test_the_plan_is_built_in_the_wire_version_asked_for() -> None:

@@ -140,7 +140,7 @@ async def diagnose() -> dict[str, float]:
     """The embedded scheduler's stand-in for :func:`dashboard.diagnosis.tasks.diagnose`: the same pass per active
     cluster, with the same result (cluster name -> seconds)."""
     from dashboard.diagnosis.lifecycle import reconcile
-    from dashboard.diagnosis.tasks import active_clusters, due, paced, thresholds
+    from dashboard.diagnosis.tasks import active_clusters, due, observe_parts, paced, thresholds
     from dashboard.live.state import get_state
     from dashboard.scheduler import in_jobs_thread
 
@@ -155,9 +155,12 @@ async def diagnose() -> dict[str, float]:
         executor = pool()
         t0 = time.perf_counter()
         try:
-            detections, _, _ = await loop.run_in_executor(executor, _child_detect, cluster.id, now, t,
-                                                          get_state().beats(cluster.id))
+            detections, parts, _ = await loop.run_in_executor(executor, _child_detect, cluster.id, now, t,
+                                                              get_state().beats(cluster.id))
+            t1 = time.perf_counter()
             await in_jobs_thread(reconcile)(cluster, detections, datetime.fromtimestamp(now, tz=UTC))
+            observe_parts({**parts, "reconcile": time.perf_counter() - t1,
+                           "handover": t1 - t0 - parts["load"] - parts["detect"]})
         except BrokenProcessPool:
             log.error("diagnosis process died during the pass for cluster %s; a new one starts", cluster.name)
             _discard(executor)

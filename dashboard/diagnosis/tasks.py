@@ -140,6 +140,12 @@ def due(cluster_id: int) -> bool:
     return time.monotonic() - ended >= took * (1.0 / share - 1.0)
 
 
+def observe_parts(parts: dict[str, float]) -> None:
+    """A pass's parts' seconds into /metrics (metrics.DIAGNOSIS_PART_SECONDS)."""
+    for part, seconds in parts.items():
+        metrics.DIAGNOSIS_PART_SECONDS.labels(part).inc(max(0.0, seconds))
+
+
 def paced(cluster_id: int, took: float) -> None:
     _paced[cluster_id] = (time.monotonic(), took)
 
@@ -162,4 +168,5 @@ def diagnose() -> dict[str, float]:
         took[cluster.name] = round(res.timings_s.get("total", 0.0), 4)
         if not res.skipped:
             metrics.DIAGNOSIS_SECONDS.observe(res.timings_s["total"])
+            observe_parts({part: res.timings_s[part] for part in ("load", "detect", "reconcile")})
     return took

@@ -108,13 +108,24 @@ def test_lifecycle_escalates_then_resolves_after_the_hysteresis(world: World, dj
         finding_changed.disconnect(receiver)
 
 
+def _parts() -> dict[str, float]:
+    from dashboard import metrics
+
+    return {part: metrics.DIAGNOSIS_PART_SECONDS.labels(part)._value.get()
+            for part in ("load", "detect", "reconcile", "handover")}
+
+
 def test_the_scheduled_task_runs_every_active_cluster(world: World) -> None:
     feed = Feed(world, [{"kind": "nccl_env_drift", "at_s": 3, "rank": 9}], nodes=4)
     feed.t0 = time.time() - 8  # the task uses the wall clock
     feed.sim = SimCluster(feed.sim.s, feed.t0)
     feed.run(7, passes=False)
+    before = _parts()
     took = diagnose()
     assert set(took) == {world.cluster.name}
+    spent = {part: seconds - before[part] for part, seconds in _parts().items()}
+    assert spent["handover"] == 0 and all(spent[p] > 0 for p in ("load", "detect", "reconcile")), spent
+    assert sum(spent.values()) == pytest.approx(took[world.cluster.name], abs=0.001), spent
     assert Finding.objects.filter(kind="nccl_config", subject="llm/rank9", state="open").exists()
 
 
@@ -183,8 +194,14 @@ def test_the_embedded_pass_reads_in_its_own_process_and_survives_its_death(world
     feed.run(7, passes=False)
     try:
         offload._wanted.pop(world.cluster.id, None)
-        assert asyncio.run(offload.diagnose()).keys() == {world.cluster.name}
+        before = _parts()
+        took = asyncio.run(offload.diagnose())
+        assert took.keys() == {world.cluster.name}
         assert Finding.objects.filter(kind="nccl_config", subject="llm/rank5", state="open").exists()
+        spent = {part: seconds - before[part] for part, seconds in _parts().items()}
+        # /metrics says where the pass's time went: the child's read and detectors, the reconcile here, the trip
+        assert all(spent[part] > 0 for part in ("load", "detect", "reconcile")), spent
+        assert sum(spent.values()) == pytest.approx(took[world.cluster.name], abs=0.01), spent
         assert offload.precomputed_overview(world.cluster.id, 600) is None, "no page open: no overview computed"
         offload._wanted[world.cluster.id] = time.time() - offload.OVERVIEW_WANTED_S - 1
         asyncio.run(offload.diagnose())
