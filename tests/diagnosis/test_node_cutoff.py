@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from dashboard.diagnosis.detectors import Detection, Thresholds, run_all
 from dashboard.diagnosis.detectors.buffer import WindowBuffer
 from dashboard.diagnosis.detectors.network import nodes_down
@@ -111,3 +113,21 @@ def test_a_round_that_reaches_it_again_clears_the_loss_before_it() -> None:
     late = (CUT - 6, CUT)
     lossy = {"node-a": {CUT - 4, CUT - 3}, "node-b": {CUT - 4}}  # lost, then every peer's next rounds reach it
     assert first_named(lambda now: cluster(now, cut=None, late_agent=late, lossy=lossy), CUT - 2, CUT) is None
+
+
+def test_the_probes_to_each_node_are_found_by_one_sort_as_by_a_pass_over_all() -> None:
+    """nodes_down asks for the probes to every node silent past ``silent_min_s`` (hundreds a pass at 2,048 nodes
+    posting every 4 s): through one sort of the window's probes they are the same rows, in the same order."""
+    from dashboard.diagnosis.detectors.network import probes_to, unreachable
+
+    lossy = {"node-a": {T0 + 12.0, T0 + 13.0}, "node-d": {T0 + 20.0}}
+    for now in (CUT - 5.0, CUT + 2.0, CUT + 6.0):
+        w = cluster(now, lossy=lossy).window(now)
+        to = probes_to(w)
+        for i in range(len(w.nodes) + 1):  # and a node no probe names
+            assert to(i).tolist() == np.nonzero(w.probes["peer"] == i)[0].tolist()
+            for heard in (T0, T0 + 11.5, CUT - 1.0, now):
+                assert unreachable(w, i, heard, Thresholds(), to) == unreachable(w, i, heard, Thresholds())
+        c = w.nodes.index("node-c")
+        assert all(len(to(i)) for i in range(len(w.nodes)))  # every node was probed
+        assert (unreachable(w, c, T0, Thresholds())[1] > 0) == (now > CUT), "the rounds that lose node-c, found"
