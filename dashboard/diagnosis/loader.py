@@ -206,7 +206,7 @@ def load_window(cluster: m.Cluster, now: float, beats: list[dict[str, Any]] | No
     w = Window(now=now, nodes=hostnames, steps=steps, gpus=gpus, ports=ports, probes=probes,
                events=_events(cluster.id, now), hosts=_hosts(cluster.id, now, by_id, hostnames, runs), runs=runs,
                last_heard={}, interconnect=cluster.nccl_interconnect(), gpu_bus=gpu_bus, span=dict(SPANS))
-    w.ingest_delay, w.ingest_lag_s, agents = _ingest_delays(cluster.id, now, len(nodes_rows))
+    w.ingest_delay, w.ingest_lag_s, agents, w.post_interval = _ingest_delays(cluster.id, now, len(nodes_rows))
     w.arrivals = _arrivals(cluster.id, now, w.ingest_delay, w.ingest_lag_s, agents)
     w.last_heard = _last_heard(w, nodes_rows, index, now, with_gpus)
     w.beats = get_state().beats(cluster.id) if beats is None else beats
@@ -555,10 +555,12 @@ INGEST_DELAY_SPAN_S = 60.0  # the batches received this long before the pass say
 INGEST_LAG_RECENT_S = 5.0  # the nodes heard from within this of the freshest arrival say how late batches arrive now
 
 
-def _ingest_delays(cluster_id: int, now: float, nodes: int) -> tuple[dict[str, float], float, dict[str, str]]:
+def _ingest_delays(cluster_id: int, now: float, nodes: int
+                   ) -> tuple[dict[str, float], float, dict[str, str], dict[str, float]]:
     """host -> seconds from ``sent_at`` to arrival of its newest batch among the cluster's latest arrivals; how far
-    behind this server receives now (see ``network.arrival_slack``); and host -> the agent id that sent that batch
-    (:func:`_arrivals` follows it).
+    behind this server receives now (see ``network.arrival_slack``); host -> the agent id that sent that batch
+    (:func:`_arrivals` follows it); and host -> seconds between the ``sent_at`` of its two newest batches, where
+    both are among them (``Window.post_interval``).
 
     The newest two batches a node, at most, along the (cluster, received_at) index, backwards: a few thousand rows
     at 2,048 nodes. A node whose last batch is older than those gets the cluster's lag; a node replaying its spool
@@ -579,14 +581,18 @@ def _ingest_delays(cluster_id: int, now: float, nodes: int) -> tuple[dict[str, f
                  [cluster_id, adapt(_dt(now - INGEST_DELAY_SPAN_S)), adapt(_dt(now)), max(64, 2 * nodes)])
     delays: dict[str, float] = {}
     agents: dict[str, str] = {}
+    sent: dict[str, float] = {}  # host -> its newest batch's sent_at
+    posts: dict[str, float] = {}
     current: list[float] = []  # the delays of the nodes heard from lately
     since = float(rows[0][2]) - INGEST_LAG_RECENT_S if rows else 0.0
     for host, agent_id, at, delay in rows:  # newest first: a host's first row is its newest batch
         if host not in delays:
-            delays[host], agents[host] = max(0.0, float(delay)), agent_id
+            delays[host], agents[host], sent[host] = max(0.0, float(delay)), agent_id, float(at) - float(delay)
             if float(at) >= since:
                 current.append(delays[host])
-    return delays, float(np.median(current)) if current else 0.0, agents
+        elif host not in posts and agent_id == agents[host] and sent[host] > float(at) - float(delay):
+            posts[host] = sent[host] - (float(at) - float(delay))
+    return delays, float(np.median(current)) if current else 0.0, agents, posts
 
 
 ARRIVALS_EXCESS_S = 10.0  # a node whose newest batch is this much later than the cluster's gets its recent arrivals

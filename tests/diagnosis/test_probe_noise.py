@@ -65,3 +65,22 @@ def test_a_millisecond_of_ping_delay_on_a_saturated_cpu_is_not_a_slow_link() -> 
 
 def test_a_real_delay_is_a_slow_link_on_a_saturated_cpu_too() -> None:
     assert named(window(lambda a, b, s: None, rtt=slow_b(30.0), cpu_pct=100.0)) == [("slow_link", "node-b")]
+
+
+def test_a_node_between_its_posts_is_not_quiet_and_its_slow_link_is_named() -> None:
+    """At 2,048 nodes the server asks each agent for a post every 4 s (4 s of samples each): a node 2-3 s after its
+    last post is between posts, not gone quiet. The link and path detectors leave a quiet node's probes out (it is
+    about to be named down); judged by the 1 s sampling, most nodes were quiet at any pass and a slow link between
+    two of them was never seen. Every phase of the posts against the pass."""
+    for now in (T0 + 12.0, T0 + 13.0, T0 + 14.0, T0 + 15.0):
+        buf, held = WindowBuffer(), {src: [] for src in NODES}
+        for sec in range(int(now - T0) + 1):
+            ts = T0 + sec
+            for k, src in enumerate(NODES):
+                held[src].append((ts, [{"ts": ts, "peer": dst, "sent": 4, "lost": 0, "rtt_ms": slow_b(5.0)(src, dst),
+                                        "bw_gbps": None} for dst in NODES if dst != src]))
+                if (sec + k) % 4 == 3:  # its post: the last 4 s, sent now; node k's posts come k s after node 0's
+                    buf.add({"host": src, "sent_at": ts, "probes": [p for _, ps in held[src] for p in ps],
+                             "hosts": [{"ts": t, "cpu_pct": 35.0} for t, _ in held[src]]})
+                    held[src] = []
+        assert [d.key for d in slow_links(buf.window(now), Thresholds(), set())] == [("slow_link", "node-b")], now

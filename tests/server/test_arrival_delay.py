@@ -51,7 +51,7 @@ def feed(world: World, stop: dict[str, float], delay: dict[str, float], start: f
 def test_the_loader_reads_each_nodes_newest_arrival_delay_and_the_clusters_median(world: World) -> None:
     now = time.time()
     feed(world, {"node-002": 30.0}, {"node-001": 12.0, "node-002": 3600.0}, now - SECONDS)
-    delays, lag, _ = loader._ingest_delays(world.cluster.id, now + 1, NODES)
+    delays, lag, _, _ = loader._ingest_delays(world.cluster.id, now + 1, NODES)
     assert delays["node-001"] == pytest.approx(12.0, abs=1e-3)
     assert delays["node-000"] == pytest.approx(0.05, abs=1e-3)
     # Its newest batch (an hour late: received an hour after the pass) is not yet received as of the pass; the one
@@ -78,7 +78,7 @@ def test_without_the_delay_the_late_node_would_be_named(world: World, monkeypatc
     """The same history with the ledger's delays hidden from the pass: what the server said before it read them."""
     now = time.time()
     feed(world, {"node-001": 25.0, "node-005": 25.0}, {"node-001": 25.0}, now - SECONDS)
-    monkeypatch.setattr(loader, "_ingest_delays", lambda *_: ({}, 0.0, {}))
+    monkeypatch.setattr(loader, "_ingest_delays", lambda *_: ({}, 0.0, {}, {}))
     res = run_pass(world.cluster, now)
     assert res.changes is not None
     assert sorted(f.subject for f in res.changes.opened if f.kind == "node_down") == ["node-001", "node-005"]
@@ -113,7 +113,7 @@ def test_behind_a_late_server_a_node_silent_less_than_the_heartbeat_and_the_lag_
     now = time.time()
     late_server(world, now, stopped=22.0)  # past 15 s, not past 15 s + 12 s
     if not read_delays:  # what the server said before it read the delays: down
-        monkeypatch.setattr(loader, "_ingest_delays", lambda *_: ({}, 0.0, {}))
+        monkeypatch.setattr(loader, "_ingest_delays", lambda *_: ({}, 0.0, {}, {}))
     res = run_pass(world.cluster, now)
     assert res.changes is not None
     assert [f.subject for f in res.changes.opened if f.kind == "node_down"] == ([] if read_delays else ["node-001"])
@@ -128,7 +128,7 @@ def test_the_lag_is_how_late_batches_arrive_now_and_nodes_not_heard_since_do_not
     now = time.time()
     late = {"node-001": 12.0, "node-002": 12.0}
     feed(world, {**late, "node-003": 18.0, "node-004": 18.0, "node-005": 18.0}, late, now - SECONDS)
-    delays, lag, _ = loader._ingest_delays(world.cluster.id, now, NODES)
+    delays, lag, _, _ = loader._ingest_delays(world.cluster.id, now, NODES)
     assert delays["node-003"] == pytest.approx(0.05, abs=1e-3) and delays["node-001"] == pytest.approx(12.0, abs=1e-3)
     assert float(np.median(list(delays.values()))) == pytest.approx(0.05, abs=1e-3), "every node's newest: diluted"
     assert lag == pytest.approx(12.0, abs=1e-3)
@@ -219,3 +219,24 @@ def test_a_node_whose_clock_is_behind_is_named_clock_skew_and_not_down(world: Wo
     assert min(panel["series"][0]["y"]) == pytest.approx(300.05, abs=0.01)
     assert panel["thresholds"][0]["value"] == pytest.approx(30.05, abs=0.06)  # the lag as stored, to 0.1 s
     assert headline(f).startswith("clock 300 s behind")  # the line the overview and lists show
+
+
+def test_the_loader_reads_how_often_each_node_posts(world: World) -> None:
+    """A node that posts 4 s of samples at once (the server's advice at 2,048 nodes) is heard from every 4 s: the
+    link and path detectors must not take it for quiet between two posts (``network.quiet_nodes``)."""
+    from collectors.sim.sender import merge
+
+    start = time.time() - 30
+    sim = SimCluster(parse({"cluster": {"nodes": 3, "gpus_per_node": 2, "seed": 8}}), start)
+    pending: dict[str, list[dict[str, Any]]] = {}
+    for t in range(24):
+        for batch in sim.tick(start + t):
+            pending.setdefault(batch["host"], []).append(batch)
+            every = 4 if batch["host"] != "node-000" else 1
+            if len(pending[batch["host"]]) == every:
+                for merged in merge(pending.pop(batch["host"])):
+                    store_batch(world.cluster, wire.validate_batch(merged))
+    *_, posts = loader._ingest_delays(world.cluster.id, time.time() + 1, 3)  # received: now
+    assert posts == pytest.approx({"node-000": 1.0, "node-001": 4.0, "node-002": 4.0}, abs=1e-3)
+    w = loader.load_window(world.cluster, time.time() + 1, beats=[])
+    assert w.post_interval == pytest.approx(posts, abs=1e-3)

@@ -49,6 +49,8 @@ class WindowBuffer:
         self.events: deque[dict[str, Any]] = deque()
         self.hosts: dict[str, dict[str, Any]] = {}
         self.last_heard: dict[str, float] = {}
+        self.sent: dict[str, float] = {}  # host -> its newest batch's sent_at
+        self.post_interval: dict[str, float] = {}
         self.gpu_bus: dict[tuple[str, str], int] = {}
         self.beats: dict[tuple[str, int], dict[str, Any]] = {}  # (run, rank) -> latest beat, as the live state
         self.places: dict[str, tuple[str, str]] = {}  # host -> (rack, switch), as the ingest writer stores them
@@ -70,6 +72,10 @@ class WindowBuffer:
         host = batch["host"]
         n = self._node(host)
         heard = batch.get("sent_at", 0.0)
+        if heard:
+            if host in self.sent and heard > self.sent[host]:
+                self.post_interval[host] = heard - self.sent[host]
+            self.sent[host] = max(heard, self.sent.get(host, heard))
         top = batch.get("topology") or {}
         if top.get("rack") or top.get("switch"):  # a part left out keeps what was known, as the writer does
             rack, switch = self.places.get(host, ("", ""))
@@ -152,7 +158,7 @@ class WindowBuffer:
             events=list(self.events), hosts=hosts, runs=list(self.runs.values()),
             last_heard=dict(self.last_heard), interconnect=self.interconnect, gpu_bus=dict(self.gpu_bus),
             span=dict(SPANS), beats=list(self.beats.values()), losses=self._losses(),
-            places=dict(self.places), fabric=self.interconnect)
+            places=dict(self.places), fabric=self.interconnect, post_interval=dict(self.post_interval))
 
     def _losses(self) -> dict[str, np.ndarray]:
         out = {}

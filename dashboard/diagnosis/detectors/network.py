@@ -40,6 +40,16 @@ def report_intervals(w: Window) -> dict[int, float]:
     return dict(zip(nodes[starts][keep].astype(int).tolist(), median[keep].tolist(), strict=True))
 
 
+def quiet_nodes(w: Window) -> set[str]:
+    """Nodes not heard from for 1.5 times their cadence: the interval they sample at (:func:`report_intervals`), or
+    the interval they post at when that is longer (``Window.post_interval``: a node between two posts of 4 s of
+    samples is not quiet)."""
+    index = w.node_index()
+    intervals = report_intervals(w)
+    return {h for h, heard in w.last_heard.items()
+            if w.now - heard > 1.5 * max(intervals.get(index.get(h, -1), 1.0), w.post_interval.get(h, 0.0))}
+
+
 def probes_to(w: Window) -> Callable[[int], np.ndarray]:
     """node -> the probe rows to it, in the window's order: one sort, then a search per node (:func:`nodes_down`
     asks for every node silent past ``silent_min_s``; at 2,048 nodes posting every 4 s that is hundreds a pass, and
@@ -425,10 +435,8 @@ def slow_links(w: Window, t: Thresholds, down: set[str], explained: set[str] | f
                ) -> list[Detection]:
     """``explained``: nodes whose bad pairs a leaf switch finding already accounts for (:mod:`paths`)."""
     index = w.node_index()
-    intervals = report_intervals(w)
     # A node that has gone quiet and loses its probes is about to be named down, not slow: leave it to that detector.
-    quiet = {h for h, heard in w.last_heard.items() if w.now - heard > 1.5 * intervals.get(index.get(h, -1), 1.0)}
-    down_i = {index[h] for h in down | quiet if h in index}
+    down_i = {index[h] for h in down | quiet_nodes(w) if h in index}
     out: dict[str, Detection] = {}
     if len(w.probes):
         rows, bad, base = _bad_pairs(w, t, down_i)

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from dashboard.diagnosis.detectors.base import Detection, Thresholds, rnd
-from dashboard.diagnosis.detectors.network import contended, groups_of, report_intervals, sharing
+from dashboard.diagnosis.detectors.network import contended, groups_of, quiet_nodes, sharing
 from dashboard.diagnosis.detectors.window import Window
 
 
@@ -123,10 +123,8 @@ def _busy(w: Window, t: Thresholds) -> np.ndarray:
 def slow_paths(w: Window, t: Thresholds, down: set[str]) -> list[Detection]:
     """The slow switches first (their nodes and cross pairs are theirs), then single slow paths."""
     index = w.node_index()
-    intervals = report_intervals(w)
     # A node gone quiet is about to be named down; its lost probes are not a slow path (as in network.slow_links).
-    quiet = {h for h, heard in w.last_heard.items() if w.now - heard > 1.5 * intervals.get(index.get(h, -1), 1.0)}
-    mesh = pairs(w, t, {index[h] for h in down | quiet if h in index})
+    mesh = pairs(w, t, {index[h] for h in down | quiet_nodes(w) if h in index})
     if mesh is None:
         return []
     out = _switches(w, t, mesh)

@@ -142,6 +142,9 @@ class Window:
     # of each node whose newest batch arrived well after the cluster's (``loader._arrivals``; usually none): a steady
     # delay is the node's clock behind, a falling one its agent replaying a spool (``network.clock_behind``).
     arrivals: dict[str, np.ndarray] = field(default_factory=dict)
+    # host -> seconds between its two newest batches' sent_at, where both are known: the agent posts several seconds
+    # of samples at once when the server asks it to (4 s at 2,048 nodes), and is not quiet between two posts.
+    post_interval: dict[str, float] = field(default_factory=dict)
 
     def node_index(self) -> dict[str, int]:
         return {h: i for i, h in enumerate(self.nodes)}
