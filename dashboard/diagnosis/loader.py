@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -456,51 +455,49 @@ def _newest_step(info: RunInfo, part: dict[str, np.ndarray]) -> None:
         info.last_step, info.last_step_ts = int(part["step"][top]), float(ts[top])
 
 
-# (database, cluster) -> (when read, rank id -> (updated_at, the meta's text as read, the meta))
-_rank_meta: dict[tuple[Any, ...], tuple[float, dict[int, tuple[float, Any, dict[str, Any]]]]] = {}
+# (database, cluster) -> rank id -> (updated_at, the meta's text as read, the meta)
+_rank_meta: dict[tuple[Any, ...], dict[int, tuple[float, Any, dict[str, Any]]]] = {}
 _envs: dict[Any, Any] = {}  # the ranks' environments, one dict each (detectors.nccl.share_env)
-RANK_META_LATE_S = 60.0  # a rank row committed (or stamped by a server clock) this late is still seen changed
+RANK_META_CHUNK = 4096  # ids per query for the metas to read again (SQLite binds at most 32,766 values)
 
 
 def _ranks(cluster_id: int, run_ids: list[int]) -> list[tuple[int, int, str | None, int | None, dict[str, Any]]]:
     """(run id, rank, host, GPU, meta) of the runs' ranks. A big run has a rank row per GPU and each meta is ~1 KB
-    of JSON: only the metas changed since the last pass (by ``updated_at``) are read, and only a changed text is
-    decoded; the others are kept in this process, with the text they were decoded from."""
+    of JSON: the metas are read only for the ranks whose ``updated_at`` is not the one this process holds (every
+    change of a meta stamps it: the writer sets it with the meta, the ORM's ``auto_now`` on save), and only a changed
+    text is decoded; the others are kept in this process, with the text they were decoded from. A row committed late
+    (another web worker's group) differs from what is held, or is not held at all, and is read then."""
     if not run_ids:
         return []
     key = (connection.alias, connection.settings_dict["NAME"], cluster_id)
-    read_at, held_meta = _rank_meta.get(key, (RANK_META_LATE_S, {}))
-    cutoff = _dt(read_at - RANK_META_LATE_S)
-    now = time.time()
+    held_meta = _rank_meta.get(key, {})
     q = connection.ops.quote_name
-    sql = (f"SELECT r.id, r.run_id, r.rank, n.hostname, r.gpu_index, {_epoch('r.updated_at')}, "
-           f"CASE WHEN r.updated_at >= %s THEN {_text('r.meta')} END FROM {q(m.Rank._meta.db_table)} r "
-           f"LEFT JOIN {q(m.Node._meta.db_table)} n ON n.id = r.node_id "
+    sql = (f"SELECT r.id, r.run_id, r.rank, n.hostname, r.gpu_index, {_epoch('r.updated_at')} "
+           f"FROM {q(m.Rank._meta.db_table)} r LEFT JOIN {q(m.Node._meta.db_table)} n ON n.id = r.node_id "
            f"WHERE r.run_id IN ({', '.join(['%s'] * len(run_ids))})")
     with _cursor() as cur:
-        cur.execute(sql, [connection.ops.adapt_datetimefield_value(cutoff), *run_ids])
+        cur.execute(sql, run_ids)
         rows = cur.fetchall()
     metas: dict[int, tuple[float, Any, dict[str, Any]]] = {}
-    missing = []
-    for rid, _, _, _, _, updated, text in rows:
+    changed = []
+    for rid, _, _, _, _, updated in rows:
         was = held_meta.get(rid)
-        if text is not None:
-            # Read again because it changed within the late window: decoded only if its text did change. A run's
-            # ranks all change in its first second, and decoding their 16,384 metas at every pass of the next minute
-            # was a third of the pass process's CPU at 2,048 nodes (benchmarks/ingest.py --profile).
+        if was is not None and was[0] == updated:
+            metas[rid] = was
+        else:
+            changed.append(rid)
+    # Re-reading every meta of a run for a minute after its ranks appeared (16 MB a pass at 16,384 ranks) was a
+    # tenth of a pass under ingest at 2,048 nodes: a run's first minute is most of a 60 s benchmark.
+    for at in range(0, len(changed), RANK_META_CHUNK):
+        part = changed[at:at + RANK_META_CHUNK]
+        for rid, updated, text in _rows(m.Rank, ["id", _epoch("updated_at"), _text("meta")],
+                                         f"id IN ({', '.join(['%s'] * len(part))})", part):
+            was = held_meta.get(rid)
             metas[rid] = (updated, text, was[2] if was is not None and was[1] == text else
                           share_env(_json(text), _envs))
-        elif was is not None and was[0] == updated:
-            metas[rid] = was
-        else:  # changed before the cutoff but not held: committed late, or another database's row
-            missing.append(rid)
-    if missing:
-        for rid, updated, text in _rows(m.Rank, ["id", _epoch("updated_at"), _text("meta")],
-                                         f"id IN ({', '.join(['%s'] * len(missing))})", missing):
-            metas[rid] = (updated, text, share_env(_json(text), _envs))
-    _rank_meta[key] = (now, metas)
+    _rank_meta[key] = metas
     return [(run_id, rank, host, gpu, metas[rid][2] if rid in metas else {})
-            for rid, run_id, rank, host, gpu, _, _ in rows]
+            for rid, run_id, rank, host, gpu, _ in rows]
 
 
 def _steps_and_losses(cluster_id: int, run_id: int, last_step: int,

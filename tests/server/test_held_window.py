@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from django.utils import timezone
 
 from clusterdx import wire
 from collectors.sim.model import SimCluster
@@ -180,9 +181,9 @@ def test_the_gpu_columns_the_pass_reads_are_the_stored_values(world: World) -> N
             assert np.array_equal(np.array(got[k], dtype=float), np.array(row), equal_nan=True), (fresh, k)
 
 
-def test_rank_metas_read_again_unchanged_are_not_decoded_again(world: World) -> None:
-    """A run's ranks all change in its first second, so for the next minute (loader.RANK_META_LATE_S) every pass
-    reads their metas again: the unchanged ones keep the object the last pass decoded, a changed one is new."""
+def test_rank_metas_read_again_unchanged_are_not_decoded_again(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass reads again only the metas whose ``updated_at`` moved (every change stamps it), and decodes only a text
+    that changed: the unchanged ones keep the object the last pass decoded, a changed one is new."""
     scenario = parse({"cluster": {"nodes": 2, "gpus_per_node": 2, "run": "llm", "seed": 6}, "fault": []})
     t0 = time.time() - 300
     sim = SimCluster(scenario, t0)
@@ -195,12 +196,26 @@ def test_rank_metas_read_again_unchanged_are_not_decoded_again(world: World) -> 
 
     first = metas()
     assert len(first) == 4 and all(first.values())
+    read: list[int] = []  # the ranks whose metas a pass reads again
+    rows = loader._rows
+
+    def reading(model: Any, columns: list[str], where: str, params: list[Any]) -> Any:
+        if model is Rank:
+            read.extend(params)
+        return rows(model, columns, where, params)
+
+    monkeypatch.setattr(loader, "_rows", reading)
+    assert metas() == first and read == [], "nothing changed: no meta read again"
     rank = Rank.objects.get(run__cluster=world.cluster, rank=1)
     rank.meta = {**rank.meta, "dataloader": {"num_workers": 3}}
     rank.save()
     second = metas()
+    assert read == [rank.id], "only the changed rank's meta is read"
     assert second[1]["dataloader"] == {"num_workers": 3} and second[1] is not first[1]
-    assert all(second[k] is first[k] for k in (0, 2, 3)), "re-read within the late window, decoded once"
+    assert all(second[k] is first[k] for k in (0, 2, 3)), "not changed: not read, not decoded again"
+    Rank.objects.filter(run__cluster=world.cluster, rank=2).update(updated_at=timezone.now())  # stamped, same meta
+    third = metas()
+    assert third == second and all(third[k] is second[k] for k in range(4)), "read again, the same text: kept"
     held.forget()
     loader._rank_meta.clear()
     assert metas() == second, "a fresh read gives the same metas"
