@@ -23,11 +23,22 @@ NODES = ("node-a", "node-b", "node-c", "node-d")
 
 
 def cluster(until: float, *, last_post: float = CUT, cut: float | None = CUT, lossy: dict[str, set[float]] | None = None,
-            late_agent: tuple[float, float] | None = None) -> WindowBuffer:
+            late_agent: tuple[float, float] | None = None, every: int = 1, phase: int = 0) -> WindowBuffer:
     """Batches up to ``until``. ``last_post``: node-c's last batch (its samples up to then); ``cut``: from then on
     its peers' rounds lose it (None: never); ``lossy``: peer -> round ends that lose node-c anyway (a loaded prober);
-    ``late_agent``: node-c posts nothing between these times, yet answers its peers."""
+    ``late_agent``: node-c posts nothing between these times, yet answers its peers. ``every``: each agent posts its
+    last ``every`` seconds at once (the server's advice past 1,024 nodes), node ``n`` at second ``n`` of the period
+    (node-c ``phase`` seconds later)."""
     buf = WindowBuffer()
+    held: dict[str, list[dict[str, Any]]] = {h: [] for h in NODES}
+
+    def post(n: int, host: str, batch: dict[str, Any]) -> None:
+        held[host].append(batch)
+        if (round(batch["sent_at"] - T0) + n + (phase if host == "node-c" else 0)) % every == every - 1:
+            buf.add({**batch, **{k: [r for b in held[host] for r in b.get(k, [])]
+                                 for k in ("hosts", "steps", "probes")}})
+            held[host] = []
+
     for n, host in enumerate(NODES):
         buf.add({"host": host, "sent_at": T0, "runs": [{"run": "job", "rank": n, "world_size": 4, "ts": T0,
                                                         "host": host, "gpu_index": 0}]})
@@ -45,7 +56,7 @@ def cluster(until: float, *, last_post: float = CUT, cut: float | None = CUT, lo
             # This second's round: pings sent about 0.8 s before it reports.
             batch["probes"] = [{"ts": t, "peer": peer, "sent": 4, "lost": 4 if _lost(host, peer, t, cut, lossy) else 0,
                                 "rtt_ms": 0.05} for peer in NODES if peer != host]
-            buf.add(batch)
+            post(n, host, batch)
         t += 1.0
     return buf
 
@@ -113,6 +124,20 @@ def test_a_round_that_reaches_it_again_clears_the_loss_before_it() -> None:
     late = (CUT - 6, CUT)
     lossy = {"node-a": {CUT - 4, CUT - 3}, "node-b": {CUT - 4}}  # lost, then every peer's next rounds reach it
     assert first_named(lambda now: cluster(now, cut=None, late_agent=late, lossy=lossy), CUT - 2, CUT) is None
+
+
+def test_at_4_s_posts_a_cut_node_is_named_down_within_seconds_and_nothing_else_at_every_phase() -> None:
+    """Past 1,024 nodes an agent posts its last 4 s at once: a node between two posts is not quiet for the link and
+    path detectors (network.quiet_nodes), and a cut one must still be named down, within seconds, and not as a slow
+    link while its peers' lost rounds arrive before its silence says so."""
+    for phase in range(4):
+        named = {}
+        for half in range(24):
+            now = CUT + half / 2
+            for d in run_all(cluster(now, every=4, phase=phase).window(now)):
+                named.setdefault(d.key, now - CUT)
+        assert list(named) == [("node_down", "node-c")], (phase, named)
+        assert named[("node_down", "node-c")] <= 4.0, (phase, named)
 
 
 def test_the_probes_to_each_node_are_found_by_one_sort_as_by_a_pass_over_all() -> None:
