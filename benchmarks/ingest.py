@@ -414,6 +414,7 @@ def print_metrics(got: dict[str, float] | str) -> dict[str, float]:
 
 
 PASS = "clusterdx_diagnosis_pass_seconds"
+PARTS = 'clusterdx_diagnosis_pass_part_seconds_total{part="'  # each part's counter, up to its name
 
 
 def passes_in_run(before: dict[str, float], after: dict[str, float]) -> tuple[int, float | None, str]:
@@ -426,8 +427,7 @@ def passes_in_run(before: dict[str, float], after: dict[str, float]) -> tuple[in
     mean = (after[f"{PASS}_sum"] - before.get(f"{PASS}_sum", 0.0)) / n
     le1 = [k for k in after if k.startswith(f"{PASS}_bucket{{") and 'le="1.0"' in k]
     within = int(after[le1[0]] - before.get(le1[0], 0.0)) if le1 else None
-    head = f'{PASS[:-len("_seconds")]}_part_seconds_total{{part="'
-    parts = {k[len(head):-2]: (after[k] - before.get(k, 0.0)) / n for k in after if k.startswith(head)}
+    parts = {k[len(PARTS):-2]: (after[k] - before.get(k, 0.0)) / n for k in after if k.startswith(PARTS)}
     return n, mean, f"{n} ended during the run, mean {mean:.2f} s" + (
         f", {within} of them within 1 s" if within is not None else "") + (
         f" (on average: {', '.join(f'{part} {s:.2f} s' for part, s in parts.items())})" if parts else "")

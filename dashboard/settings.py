@@ -227,7 +227,8 @@ CLUSTERDX = {
     # process that checks and stores the bodies: the embedded server's one process then uses two cores).
     "INGEST_WRITER": env_choice("CLUSTERDX_INGEST_WRITER", "thread", ("thread", "process")),
     # Each web worker (and the ingest writer process) holds its threads to one CPU of its own (dashboard/affinity.py):
-    # "auto" where no CPU quota is below the visible CPUs, "on" regardless, "off" never.
+    # "auto" unless a CPU quota is below the visible CPUs or a container sees all its host's CPUs, "on" regardless,
+    # "off" never.
     "PIN_CPU": env_choice("CLUSTERDX_PIN_CPU", "auto", ("auto", "on", "off")),
     # Nodes per second one cluster may post: beyond it the server asks agents for a longer send_interval_s. 512: a
     # post costs about as much as a node-second of records (docs/scaling.md, "The send interval's default"), so past

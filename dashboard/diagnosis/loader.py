@@ -583,12 +583,13 @@ def _ingest_delays(cluster_id: int, now: float, nodes: int
     current: list[float] = []  # the delays of the nodes heard from lately
     since = float(rows[0][2]) - INGEST_LAG_RECENT_S if rows else 0.0
     for host, agent_id, at, delay in rows:  # newest first: a host's first row is its newest batch
+        sent_at = float(at) - float(delay)
         if host not in delays:
-            delays[host], agents[host], sent[host] = max(0.0, float(delay)), agent_id, float(at) - float(delay)
+            delays[host], agents[host], sent[host] = max(0.0, float(delay)), agent_id, sent_at
             if float(at) >= since:
                 current.append(delays[host])
-        elif host not in posts and agent_id == agents[host] and sent[host] > float(at) - float(delay):
-            posts[host] = sent[host] - (float(at) - float(delay))
+        elif host not in posts and agent_id == agents[host] and sent[host] > sent_at:
+            posts[host] = sent[host] - sent_at
     return delays, float(np.median(current)) if current else 0.0, agents, posts
 
 

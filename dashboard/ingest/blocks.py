@@ -76,14 +76,16 @@ class Block:
         if self._nulls is None:
             self._nulls = np.isnan(self.mat).any(axis=0).tolist()
         col, kind = self.mat[:, at], _BOUNDS[self.kind].types[at]
-        if not self._nulls[at]:
-            return (col.tolist() if kind == "float" else col.astype(np.int64).tolist() if kind == "int"
-                    else (col != 0).tolist())
-        null = np.isnan(col)
-        out = (col.tolist() if kind == "float" else np.where(null, 0.0, col).astype(np.int64).tolist()
-               if kind == "int" else (col != 0).tolist())
-        for i in np.flatnonzero(null).tolist():
-            out[i] = None
+        null = np.isnan(col) if self._nulls[at] else None
+        if kind == "float":
+            out = col.tolist()
+        elif kind == "int":
+            out = (col if null is None else np.where(null, 0.0, col)).astype(np.int64).tolist()
+        else:
+            out = (col != 0).tolist()
+        if null is not None:
+            for i in np.flatnonzero(null).tolist():
+                out[i] = None
         return out
 
 

@@ -72,10 +72,11 @@ class WindowBuffer:
         host = batch["host"]
         n = self._node(host)
         heard = batch.get("sent_at", 0.0)
-        if heard:
-            if host in self.sent and heard > self.sent[host]:
-                self.post_interval[host] = heard - self.sent[host]
-            self.sent[host] = max(heard, self.sent.get(host, heard))
+        prev = self.sent.get(host)
+        if heard and (prev is None or heard > prev):  # a replayed older batch says nothing of the cadence
+            if prev is not None:
+                self.post_interval[host] = heard - prev
+            self.sent[host] = heard
         top = batch.get("topology") or {}
         if top.get("rack") or top.get("switch"):  # a part left out keeps what was known, as the writer does
             rack, switch = self.places.get(host, ("", ""))
