@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 from urllib.parse import parse_qs
 
 import msgspec
+from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
@@ -20,6 +22,7 @@ from django.contrib.auth import get_user_model
 from dashboard.live import snapshot
 from dashboard.live.broadcast import cluster_group, run_group
 from dashboard.live.events import EVENT_KEYS, GPU_ROW, STEP_ROW
+from dashboard.live.state import WATCH_TTL_S, get_state
 from dashboard.telemetry.models import Cluster, Rank, Run
 
 MAX_PENDING_STEPS = 20_000
@@ -55,6 +58,17 @@ def _run_hosts_now(run: Run) -> frozenset[str]:
 
 
 _run_hosts = database_sync_to_async(_run_hosts_now)
+
+
+@sync_to_async(thread_sensitive=False)
+def _watch(run_id: int, watcher: str, on: bool) -> None:
+    """Tell the publishers (every web worker's) that this socket watches the run's steps, for WATCH_TTL_S, or no
+    longer: they build a run's step deltas only while someone does."""
+    live = get_state()
+    if on:
+        live.watch_run(run_id, watcher, time.time() + WATCH_TTL_S)
+    else:
+        live.unwatch_run(run_id, watcher)
 
 
 @database_sync_to_async
@@ -110,6 +124,11 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         only = (query.get("only") or [""])[0]
         self.only: set[str] | None = {k for k in only.split(",") if k in EVENT_KEYS} if only else None
         self.user_id, self.cluster_id = user.pk, cluster.id
+        # Before the snapshot is read: a group that commits after this is published with its steps, and one that
+        # committed before it is in the snapshot.
+        self.watching = run.id if run is not None and (self.only is None or "steps" in self.only) else None
+        if self.watching is not None:
+            await _watch(self.watching, self.channel_name, True)
         self.groups_joined = [cluster_group(cluster.id)] + ([run_group(run.id)] if run else [])
         for group in self.groups_joined:
             await self.channel_layer.group_add(group, self.channel_name)
@@ -128,6 +147,9 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
                 await flusher
         for group in getattr(self, "groups_joined", []):
             await self.channel_layer.group_discard(group, self.channel_name)
+        if getattr(self, "watching", None) is not None:
+            with contextlib.suppress(Exception):  # a Redis hiccup: the watch lapses on its own within WATCH_TTL_S
+                await _watch(self.watching, self.channel_name, False)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any) -> None:
         """The stream is server to client only: a client's frame is dropped unread. (The JSON base class would parse
@@ -179,8 +201,13 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         recheck = float(settings.CLUSTERDX["LIVE_ACCESS_RECHECK_S"])
         loop = asyncio.get_running_loop()
         next_check = loop.time() + recheck
+        next_watch = loop.time() + WATCH_TTL_S / 3
         while True:
             await asyncio.sleep(interval)
+            if self.watching is not None and loop.time() >= next_watch:
+                next_watch = loop.time() + WATCH_TTL_S / 3
+                with contextlib.suppress(Exception):  # tried again at the next third; lapses only after three misses
+                    await _watch(self.watching, self.channel_name, True)
             if loop.time() >= next_check:
                 # Access was checked at connect; a member removed since must not keep watching.
                 next_check = loop.time() + recheck

@@ -3,7 +3,8 @@
 Redis in production (shared by every ASGI and Celery worker), a dict in the embedded default. Small and bounded:
 one entry per node and per GPU, overwritten in place. Rank beats come and go with runs (every run brings new
 (run, rank) keys), so they are trimmed: beats older than ``BEAT_TTL_S`` go, and at most ``MAX_BEATS`` per cluster
-are kept (the least recently heard go first).
+are kept (the least recently heard go first). And which runs a browser watches now: the publisher builds a run's
+step deltas only then.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from django.conf import settings
 BEAT_TTL_S = 7200.0
 MAX_BEATS = 65_536
 TRIM_EVERY_S = 10.0  # Redis: trim at most this often per cluster and process (reads filter on their own)
+# A run page's socket says it watches its run for this long and says it again every third of it (the consumer); a
+# worker that dies without saying goodbye leaves its sockets' watches to lapse.
+WATCH_TTL_S = 60.0
 
 
 class LiveState(Protocol):
@@ -39,6 +43,12 @@ class LiveState(Protocol):
 
     def beats(self, cluster_id: int) -> list[dict[str, Any]]: ...
 
+    def watch_run(self, run_id: int, watcher: str, until: float) -> None: ...
+
+    def unwatch_run(self, run_id: int, watcher: str) -> None: ...
+
+    def watched_runs(self) -> set[int]: ...
+
 
 def _beat_row(host: str, beat: dict[str, Any], received: float) -> dict[str, Any]:
     return {**beat, "host": host, "received": received}
@@ -54,6 +64,7 @@ class MemoryState:
         self._hb: dict[int, dict[str, float]] = {}
         self._gpus: dict[int, dict[tuple[str, int], list[Any]]] = {}
         self._beats: dict[int, dict[tuple[str, int], dict[str, Any]]] = {}
+        self._watched: dict[tuple[int, str], float] = {}  # (run id, watcher) -> until when, time.time()
 
     def record(self, cluster_id: int, host: str, gpus: list[list[Any]]) -> None:
         with self._lock:
@@ -94,6 +105,21 @@ class MemoryState:
         with self._lock:
             return _fresh(list(self._beats.get(cluster_id, {}).values()), time.time())
 
+    def watch_run(self, run_id: int, watcher: str, until: float) -> None:
+        with self._lock:
+            self._watched[(run_id, watcher)] = until
+
+    def unwatch_run(self, run_id: int, watcher: str) -> None:
+        with self._lock:
+            self._watched.pop((run_id, watcher), None)
+
+    def watched_runs(self) -> set[int]:
+        now = time.time()
+        with self._lock:
+            for key in [k for k, until in self._watched.items() if until < now]:
+                del self._watched[key]
+            return {run_id for run_id, _ in self._watched}
+
 
 # KEYS: the beats hash, its heard-at sorted set; ARGV: cutoff, bound. Atomic, so two processes trimming at once
 # cannot remove a beat heard meanwhile. Removes the stale, then the least recently heard beyond the bound.
@@ -125,6 +151,7 @@ class RedisState:
         self._prefix = prefix
         self._trimmed: dict[int, float] = {}
         self._trim = self._redis.register_script(_TRIM_BEATS)
+        self._watched_key = f"{prefix}:live:watched"  # one for all clusters: run ids are unique
 
     def _key(self, what: str, cluster_id: int) -> str:
         return f"{self._prefix}:live:{what}:{cluster_id}"
@@ -173,6 +200,23 @@ class RedisState:
 
     def beats(self, cluster_id: int) -> list[dict[str, Any]]:
         return _fresh([json.loads(v) for v in self._redis.hvals(self._key("beat", cluster_id))], time.time())
+
+    def watch_run(self, run_id: int, watcher: str, until: float) -> None:
+        """A sorted set of ``run|watcher`` by until when: every web worker's publisher reads it, whichever worker
+        holds the socket."""
+        key = self._watched_key
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.zadd(key, {f"{run_id}|{watcher}": until})
+        pipe.zremrangebyscore(key, "-inf", f"({time.time()}")
+        pipe.expire(key, int(WATCH_TTL_S * 2))
+        pipe.execute()
+
+    def unwatch_run(self, run_id: int, watcher: str) -> None:
+        self._redis.zrem(self._watched_key, f"{run_id}|{watcher}")
+
+    def watched_runs(self) -> set[int]:
+        members = self._redis.zrangebyscore(self._watched_key, time.time(), "+inf")
+        return {int(m.split(b"|", 1)[0]) for m in members}
 
     def clear(self) -> None:
         for key in self._redis.scan_iter(f"{self._prefix}:live:*"):

@@ -197,7 +197,7 @@ def test_the_live_part_of_a_batch_publishes_what_the_whole_batch_does() -> None:
     def rows(b: dict[str, Any]) -> list[Any]:
         gpus = [["node-003", g["index"], g["ts"], g["util_gpu_pct"], g["mem_used_bytes"], g["power_w"], g["temp_c"]]
                 for g in b["gpus"]]
-        return [publish._messages(1, "node-003", b, runs, gpus), b["beats"]]
+        return [publish._messages(1, "node-003", b, runs, gpus, {7}), b["beats"]]
 
     part = publish.live_part(batch)
     assert rows(part) == rows(batch)

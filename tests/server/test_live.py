@@ -173,3 +173,45 @@ def test_a_run_socket_carries_only_the_run_nodes_gpus(asgi_server: AsgiServer, w
     # The cluster's own socket still carries every node.
     with ws_connect(asgi_server, f"/ws/live/?cluster={world.cluster.id}", session_cookie(client, world.owner)) as ws:
         assert {g[0] for g in recv_json(ws)["gpus"]} == {"node-000", "node-009"}
+
+
+def test_a_runs_steps_are_sent_only_while_a_run_page_watches_it(asgi_server: AsgiServer, world: World, client: Any,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 16,384 ranks a run brings 16,384 step rows a second: the publisher makes them deltas only while a run page
+    is open on the run (the live state's watched runs), and a page that opens sees every step from its snapshot on."""
+    from dashboard.live import publish
+    from dashboard.live.state import get_state
+
+    sent: list[str] = []
+    add = publish.coalescer.add
+    monkeypatch.setattr(publish.coalescer, "add", lambda messages: (sent.extend(g for g, _ in messages), add(messages)))
+
+    def posted(seq: int) -> list[str]:
+        sent.clear()
+        assert ingest(asgi_server, world.token, make_batch(seq=seq)).status_code == 200
+        publish.publisher.drain()
+        return list(sent)
+
+    assert ingest(asgi_server, world.token, with_ranks(make_batch(seq=0))).status_code == 200
+    run = Run.objects.get(name="run-1")
+    cookie = session_cookie(client, world.owner)
+    assert posted(1) == [f"cluster-{world.cluster.id}"], "nobody watches the run: its steps are not made deltas"
+    with ws_connect(asgi_server, f"/ws/live/?cluster={world.cluster.id}", cookie) as ws, \
+            ws_connect(asgi_server, f"/ws/live/?run={run.id}&only=findings", cookie) as findings_only:
+        recv_json(ws), recv_json(findings_only)
+        assert get_state().watched_runs() == set(), "a cluster page and a findings-only run page draw no steps"
+        assert posted(2) == [f"cluster-{world.cluster.id}"]
+    with ws_connect(asgi_server, f"/ws/live/?run={run.id}", cookie) as ws:
+        snap = recv_json(ws)
+        assert get_state().watched_runs() == {run.id}
+        assert f"run-{run.id}" in posted(3)
+        seen = {(r[0], r[1]) for r in snap["steps"]}
+        deadline = time.monotonic() + 10
+        while not {(4, 0), (4, 1)} <= seen and time.monotonic() < deadline:
+            seen |= {(r[0], r[1]) for r in recv_json(ws).get("steps", [])}
+        assert {(3, 0), (3, 1), (4, 0), (4, 1)} <= seen, "the step before the page opened and the one after"
+    deadline = time.monotonic() + 10
+    while get_state().watched_runs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert get_state().watched_runs() == set(), "the page closed: its watch ends with it"
+    assert posted(4) == [f"cluster-{world.cluster.id}"]

@@ -419,3 +419,30 @@ def _accepted_counts(conn: http.client.HTTPConnection) -> dict[str, float]:
     assert reply.status == 200, text[:300]
     pattern = re.compile(r'^clusterdx_ingest_accepted_batches_total\{status="(\w+)"\} (\S+)$', re.M)
     return {m.group(1): float(m.group(2)) for m in pattern.finditer(text)}
+
+
+def test_a_run_page_on_one_worker_gets_the_steps_posted_to_the_other(stack: Stack, token: str,
+                                                                       signed_in: dict[str, Any]) -> None:
+    """The publishers build a run's step deltas only while a run page watches it; the watch is in Redis, so the
+    worker that stores a batch knows of a page open on the other worker."""
+    from dashboard.telemetry.models import Run
+
+    headers = {"Origin": "https://localhost", "Cookie": signed_in["cookie"]}
+    first, _ = _conn_on(stack, None)
+    assert _post(first, token, {**make_batch(seq=0, host="node-w"), "steps": [
+        {"run": "watched-run", "rank": 0, "step": 1, "ts": time.time(), "step_time_s": 1.0}]}) == "accepted"
+    first.close()
+    run = Run.objects.get(name="watched-run")
+    with connect(f"ws://127.0.0.1:{stack.plan['web_port']}/ws/live/?run={run.id}", additional_headers=headers,
+                 open_timeout=30) as ws:
+        ws_worker = _owner(stack, ws.socket.getsockname()[1])
+        assert json.loads(ws.recv(timeout=30))["type"] == "snapshot"
+        other, _ = _conn_on(stack, None, avoid=ws_worker)
+        assert _post(other, token, {**make_batch(seq=1, host="node-w"), "steps": [
+            {"run": "watched-run", "rank": 0, "step": 2, "ts": time.time(), "step_time_s": 1.0}]}) == "accepted"
+
+        def seen() -> bool:
+            return any(s[0] == 2 for s in json.loads(ws.recv(timeout=30)).get("steps", []))
+
+        wait_until(seen, "the step posted to the other worker on this worker's run page", stack, timeout=30)
+        other.close()

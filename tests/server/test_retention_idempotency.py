@@ -205,6 +205,27 @@ def test_beats_per_cluster_are_bounded(live: Any, clock: Clock, monkeypatch: pyt
     assert len(live.beats(8)) == 3
 
 
+def test_a_watch_lasts_while_renewed_and_a_lapsed_one_is_not_kept(live: Any, clock: Clock) -> None:
+    """A run page's socket renews its watch every third of WATCH_TTL_S; a worker that died without unwatching leaves
+    watches that lapse, and the lapsed ones are removed, not only filtered out of reads."""
+    live.watch_run(5, "page-a", clock.t + 60)
+    live.watch_run(5, "page-b", clock.t + 60)
+    live.watch_run(6, "page-c", clock.t + 10)
+    assert live.watched_runs() == {5, 6}
+    live.unwatch_run(5, "page-a")
+    assert live.watched_runs() == {5, 6}, "page-b still watches run 5"
+    clock.t += 11
+    assert live.watched_runs() == {5}
+    live.watch_run(5, "page-b", clock.t + 60)  # renewed
+    clock.t += 55
+    assert live.watched_runs() == {5}
+    live.watch_run(7, "page-d", clock.t + 60)
+    held = len(live._watched) if hasattr(live, "_watched") else int(live._redis.zcard(live._watched_key))
+    assert held == 2, "run 6's lapsed watch is gone"
+    live.unwatch_run(5, "page-b")
+    assert live.watched_runs() == {7}
+
+
 def test_a_stalled_clients_pending_events_and_findings_are_bounded() -> None:
     import asyncio
 

@@ -107,7 +107,7 @@ def test_the_records_ingest_keeps_are_stored_and_published_as_their_dicts_would_
         rows["inventory"] = list(m.Gpu.objects.filter(node__cluster=cluster).order_by("index")
                                  .values_list("index", "uuid", "name", "pci_bus_id"))
         ids = {v: k for k, v in runs.items()}
-        messages = publish._messages(0, "node-1", parsed, ids, [["node-1", 0]])
+        messages = publish._messages(0, "node-1", parsed, ids, [["node-1", 0]], set(runs))
         rows["live"] = (publish.live_part(parsed), [(g == publish.cluster_group(0), {**msg, "run": runs.get(msg.get("run"))})
                                                     for g, msg in messages])  # run ids differ: compare their names
         got[name] = rows
