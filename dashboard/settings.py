@@ -219,10 +219,13 @@ CLUSTERDX = {
     # Ingest: how far ahead of the server's clock a batch's times may be (400 clock_skew beyond).
     "INGEST_MAX_FUTURE_S": env_float("CLUSTERDX_INGEST_MAX_FUTURE_S", 300.0, min=1.0),
     # Ingest group commit (dashboard/ingest/commit.py): batches waiting per process before new ones get 429 busy,
-    # the most batches one commit stores, and how long the writer waits for more before committing a short group.
+    # the most batches one commit stores, and how long the writer waits for more before committing a short group:
+    # the short window when it found none waiting, the busy one when batches were already queued as the group began
+    # (a busy server: fewer, larger commits cost the writer a third less CPU a batch at 2,048 nodes, docs/scaling.md).
     "INGEST_QUEUE_BATCHES": env_int("CLUSTERDX_INGEST_QUEUE_BATCHES", 4096, min=1),
     "INGEST_COMMIT_MAX_BATCHES": env_int("CLUSTERDX_INGEST_COMMIT_MAX_BATCHES", 256, min=1),
     "INGEST_COMMIT_WINDOW_MS": env_float("CLUSTERDX_INGEST_COMMIT_WINDOW_MS", 2.0, min=0.0),
+    "INGEST_COMMIT_BUSY_WINDOW_MS": env_float("CLUSTERDX_INGEST_COMMIT_BUSY_WINDOW_MS", 25.0, min=0.0),
     # Where the group writer runs (dashboard/ingest/commit.py): "thread" (in the web process) or "process" (a child
     # process that checks and stores the bodies: the embedded server's one process then uses two cores).
     "INGEST_WRITER": env_choice("CLUSTERDX_INGEST_WRITER", "thread", ("thread", "process")),

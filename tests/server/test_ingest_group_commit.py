@@ -192,6 +192,34 @@ def test_concurrent_batches_are_stored_once_each_in_shared_commits(transactional
     assert commits() - before < len(jobs), "batches that arrived together shared commits"
 
 
+def test_a_busy_writer_gathers_for_its_busy_window_and_a_quiet_one_commits_at_once() -> None:
+    """Batches already queued as a group begins mean a busy server: the writer then gathers for the busy window (a
+    commit's cost is mostly per commit); with none waiting it commits after the short window, so a lone batch is not
+    held back."""
+    writer = commit.GroupWriter(capacity=100, max_group=64, window_s=0.002, busy_window_s=1.0)
+    arrived: dict[int, float] = {}
+
+    def arrive(name: int, after_s: float) -> None:
+        def put() -> None:
+            arrived[name] = time.monotonic()
+            writer.queue.put(commit._Pending(name))  # type: ignore[arg-type]
+        threading.Timer(after_s, put).start()
+
+    def names(group: list[Any]) -> list[int]:
+        return [p.job for p in group]
+
+    arrive(1, 0.1)
+    arrive(2, 0.5)
+    assert names(writer._gather()) == [1], "quiet: committed without waiting for a batch 0.4 s later"
+    assert names(writer._gather()) == [2]
+    for name in (3, 4):
+        writer.queue.put(commit._Pending(name))  # type: ignore[arg-type]
+    arrive(5, 0.3)
+    began = time.monotonic()
+    assert names(writer._gather()) == [3, 4, 5], "busy: the batch 0.3 s later joins the group"
+    assert time.monotonic() - began >= 0.9, "and the group waited out its busy window for more"
+
+
 def test_the_send_interval_follows_the_node_budget(client: Any, world: World, settings: Any) -> None:
     settings.CLUSTERDX = {**settings.CLUSTERDX, "INGEST_NODES_PER_S": 2}
     views._nodes.clear()
