@@ -23,6 +23,7 @@ from typing import Any
 
 from celery import shared_task
 from django.conf import settings
+from django.core.cache import cache
 from django.db import connection
 
 from dashboard import metrics
@@ -123,31 +124,44 @@ def record_efficiency() -> dict[str, int]:
     return {c.name: efficiency.record(c.id, now) for c in active_clusters(now)}
 
 
-# cluster id -> (when its last pass in this process ended, time.monotonic(); how long it took)
+# cluster id -> (when its last pass ended, time.time(); how long it took): where the shared cache is out of reach
 _paced: dict[int, tuple[float, float]] = {}
+
+
+def _pace_key(cluster_id: int) -> str:
+    return f"diagnosis:paced:{cluster_id}"
 
 
 def due(cluster_id: int) -> bool:
     """Whether a cluster's pass may run now. The schedule ticks every DIAGNOSIS_INTERVAL_S (2 s: a node cut off is
     named within ~5 s); a cluster whose pass takes long gets one only once the pass has rested (1 / share - 1) times
     its own duration, so it takes at most DIAGNOSIS_MAX_CPU_SHARE of a core. 128 nodes (~50 ms a pass) keep the 2 s
-    cadence; 2,048 nodes (~2 s a pass) get one about every 8 s instead of back to back."""
-    last = _paced.get(cluster_id)
+    cadence; 2,048 nodes (~2 s a pass) get one about every 8 s instead of back to back.
+
+    The last pass is read from the shared cache (Redis in production): the ticks of a Celery worker with
+    ``--concurrency 2`` go to either of its processes, and each process pacing only its own passes let the two run
+    a 2,048-node cluster's pass twice as often as the share allows."""
+    try:
+        last = cache.get(_pace_key(cluster_id))
+    except Exception:  # Redis unreachable: this process's own record, better than no pacing
+        last = _paced.get(cluster_id)
     if last is None:
         return True
     ended, took = last
     share = float(settings.CLUSTERDX["DIAGNOSIS_MAX_CPU_SHARE"])
-    return time.monotonic() - ended >= took * (1.0 / share - 1.0)
+    return time.time() - ended >= took * (1.0 / share - 1.0)
+
+
+def paced(cluster_id: int, took: float) -> None:
+    _paced[cluster_id] = record = (time.time(), took)
+    with contextlib.suppress(Exception):  # the local record above still paces this process
+        cache.set(_pace_key(cluster_id), record, timeout=3600)
 
 
 def observe_parts(parts: dict[str, float]) -> None:
     """A pass's parts' seconds into /metrics (metrics.DIAGNOSIS_PART_SECONDS)."""
     for part, seconds in parts.items():
         metrics.DIAGNOSIS_PART_SECONDS.labels(part).inc(max(0.0, seconds))
-
-
-def paced(cluster_id: int, took: float) -> None:
-    _paced[cluster_id] = (time.monotonic(), took)
 
 
 @shared_task(name="dashboard.diagnosis.tasks.diagnose")
@@ -162,11 +176,12 @@ def diagnose() -> dict[str, float]:
             res = run_pass(cluster, now)
         except Exception:  # one cluster's bad data must not starve the others of their pass
             log.exception("diagnosis pass for cluster %s failed", cluster.name)
-            continue
-        finally:
             paced(cluster.id, time.monotonic() - started)
-        took[cluster.name] = round(res.timings_s.get("total", 0.0), 4)
-        if not res.skipped:
-            metrics.DIAGNOSIS_SECONDS.observe(res.timings_s["total"])
-            observe_parts({part: res.timings_s[part] for part in ("load", "detect", "reconcile")})
+            continue
+        if res.skipped:
+            continue  # another worker's pass holds the cluster: its end paces the next one, not this skip
+        paced(cluster.id, time.monotonic() - started)
+        took[cluster.name] = round(res.timings_s["total"], 4)
+        metrics.DIAGNOSIS_SECONDS.observe(res.timings_s["total"])
+        observe_parts({part: res.timings_s[part] for part in ("load", "detect", "reconcile")})
     return took

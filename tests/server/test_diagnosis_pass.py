@@ -246,6 +246,60 @@ def test_a_long_pass_rests_in_proportion_before_the_next(settings: Any) -> None:
     assert tasks.due(987_654)
 
 
+def test_the_pace_is_shared_by_every_process_that_runs_passes(settings: Any) -> None:
+    """A Celery worker's ticks go to any of its processes (``--concurrency 2``): a pass one process ran paces the
+    others, through the shared cache, or the two together would run a cluster's pass twice as often as the share."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from django.core.cache import cache
+
+    from dashboard.diagnosis import tasks
+
+    if not settings.REDIS_URL:
+        pytest.skip("needs REDIS_URL: the shared pace is tested in the suite's PostgreSQL + Redis pass")
+    settings.CLUSTERDX = {**settings.CLUSTERDX, "DIAGNOSIS_MAX_CPU_SHARE": 0.25}
+    cluster_id = 900_000 + os.getpid() % 100_000
+    cache.delete(tasks._pace_key(cluster_id))
+    assert tasks.due(cluster_id)
+    other = ("import django; django.setup(); from dashboard.diagnosis import tasks; "
+             f"tasks.paced({cluster_id}, 30.0)")  # another process's 30 s pass just ended
+    subprocess.run([sys.executable, "-c", other], check=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+                   env={**os.environ, "DJANGO_SETTINGS_MODULE": "dashboard.settings"})
+    try:
+        assert not tasks.due(cluster_id), "it rests 90 s, whichever process asks"
+    finally:
+        cache.delete(tasks._pace_key(cluster_id))
+
+
+def test_a_pass_skipped_for_another_workers_does_not_pace_the_cluster(world: World, client: Any) -> None:
+    """On PostgreSQL a pass takes the cluster's advisory lock; a worker that finds it held skips the cluster, and
+    that skip, a millisecond long, must not stand as the cluster's last pass (the holder's end paces the next)."""
+    from django.db import connection
+
+    from dashboard.diagnosis import tasks
+    from tests.server.conftest import make_batch, post
+
+    if connection.vendor != "postgresql":
+        pytest.skip("the advisory lock is PostgreSQL's: tested in the suite's PostgreSQL + Redis pass")
+    import psycopg
+
+    assert post(client, make_batch(seq=0), world.token).status_code == 200
+    cid = world.cluster.id
+    tasks._paced.pop(cid, None)
+    from django.core.cache import cache
+
+    cache.delete(tasks._pace_key(cid))
+    with psycopg.connect(**connection.get_connection_params()) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s, %s)", [tasks.LOCK_NAMESPACE, cid])
+        assert world.cluster.name not in diagnose(), "another worker holds the pass"
+        assert tasks.due(cid), "the skip set no pace"
+    assert world.cluster.name in diagnose()
+    assert not tasks.due(cid), "the pass that ran rests before the next"
+
+
 def test_a_cluster_that_goes_quiet_all_at_once_is_one_finding_not_one_per_node(
         world: World, client: Any, django_capture_on_commit_callbacks: Any, monkeypatch: Any) -> None:
     """What a server whose ingest fell behind, or that lost its network to the nodes, sees: every node's data stops
