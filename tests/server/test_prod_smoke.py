@@ -257,8 +257,13 @@ def test_it_runs_the_compose_commands_as_the_image_user_with_the_app_read_only(s
             assert mounts[volume["target"]].split(",")[0] == "rw"
     assert len(stack.web_workers()) == 2, "clusterdx server --workers 2"
     if len(os.sched_getaffinity(0)) >= 2:  # each worker's threads on a CPU of its own (dashboard/affinity.py)
-        held = [_cpus_of_threads(w.pid) for w in stack.web_workers()]
-        assert all(len(h) == 1 and len(next(iter(h))) == 1 for h in held) and held[0] != held[1], held
+        def pinned() -> bool:
+            held = [_cpus_of_threads(w.pid) for w in stack.web_workers()]
+            return all(len(h) == 1 and len(next(iter(h))) == 1 for h in held) and held[0] != held[1]
+
+        # A worker pins itself as its lifespan starts, and the port answers once the first worker is up: the second
+        # may still be starting when the stack is first reached.
+        wait_until(pinned, "each web worker's threads on a CPU of its own", stack, timeout=30)
     # Inside the stack, the application directory refuses writes even to root; the data volume takes the user's.
     probe = ["nsenter", "--target", str(pids["web"]), "--mount", "--", "touch", f"{stack.plan['root']}/.smoke-probe"]
     refused = subprocess.run(probe, capture_output=True, text=True, timeout=30)
