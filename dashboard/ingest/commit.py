@@ -53,13 +53,14 @@ class _Pending:
     future: Future[Any] = field(default_factory=Future)
 
 
-def _config() -> tuple[int, int, float, bool, float]:
+def _config() -> dict[str, Any]:
     from django.conf import settings
 
     c = settings.CLUSTERDX
-    return (int(c["INGEST_QUEUE_BATCHES"]), int(c["INGEST_COMMIT_MAX_BATCHES"]),
-            float(c["INGEST_COMMIT_WINDOW_MS"]) / 1e3, c["INGEST_WRITER"] == "process",  # a child process: .remote
-            float(c["INGEST_COMMIT_BUSY_WINDOW_MS"]) / 1e3)
+    return {"capacity": int(c["INGEST_QUEUE_BATCHES"]), "max_group": int(c["INGEST_COMMIT_MAX_BATCHES"]),
+            "window_s": float(c["INGEST_COMMIT_WINDOW_MS"]) / 1e3,
+            "busy_window_s": float(c["INGEST_COMMIT_BUSY_WINDOW_MS"]) / 1e3,
+            "remote": c["INGEST_WRITER"] == "process"}  # a child process checks and stores (.remote)
 
 
 class GroupWriter:
@@ -68,8 +69,8 @@ class GroupWriter:
     per commit, not per batch (on SQLite each rewrites the tables' and indexes' newest pages: ~54 pages for a group
     of 8 posts), so a busy server gathers a little longer and commits fewer, larger groups."""
 
-    def __init__(self, capacity: int, max_group: int, window_s: float, remote: bool = False,
-                 busy_window_s: float | None = None) -> None:
+    def __init__(self, capacity: int, max_group: int, window_s: float, busy_window_s: float | None = None,
+                 remote: bool = False) -> None:
         from dashboard.ingest.remote import RemoteWriter
 
         self.queue: queue.Queue[_Pending | None] = queue.Queue(maxsize=capacity)
@@ -232,7 +233,7 @@ def writer() -> GroupWriter:
     if _writer is None:
         with _writer_lock:
             if _writer is None:
-                _writer = GroupWriter(*_config())
+                _writer = GroupWriter(**_config())
     return _writer
 
 
