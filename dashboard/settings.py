@@ -265,6 +265,9 @@ CLUSTERDX = {
     # A cluster's pass rests (1 / share - 1) times its own duration before the next: a large cluster's pass takes at
     # most this share of a core instead of running back to back (dashboard.diagnosis.tasks.due).
     "DIAGNOSIS_MAX_CPU_SHARE": env_float("CLUSTERDX_DIAGNOSIS_MAX_CPU_SHARE", 0.25, min=0.01),
+    # A paced cluster's next pass waits this long past due for the process that ran its last pass (and holds its
+    # window) before another process takes it over (dashboard.diagnosis.tasks.due).
+    "DIAGNOSIS_HANDOVER_S": env_float("CLUSTERDX_DIAGNOSIS_HANDOVER_S", 20.0, min=0.0),
     "GPU_HOUR_PRICE_USD": env_float("CLUSTERDX_GPU_HOUR_PRICE_USD", 2.5, min=0.0),
     # Outbound webhooks to private / loopback / link-local addresses are refused unless this is set.
     "ALERTS_ALLOW_PRIVATE": env_bool("CLUSTERDX_ALERTS_ALLOW_PRIVATE", False),

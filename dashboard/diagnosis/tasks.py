@@ -6,8 +6,13 @@ not wait for a pass), only the reconcile writes. On PostgreSQL, a per-cluster ad
 that picks up an overlapping tick skip that cluster instead of doing the same work twice.
 
 The process that runs a pass keeps its window for the next one (:mod:`dashboard.diagnosis.held`): its first pass
-reads the whole window, the next ones what was written since. A Celery worker process that takes only every other
-tick reads a longer delta, never a wrong one.
+reads the whole window, the next ones what was written since. Beat's ticks go to whichever worker process is free,
+and a process that took only every fourth tick read four passes' worth of rows each time (at 2,048 nodes, 2.7 s
+passes where one process's would take ~1 s). So a cluster whose pass is paced (:func:`due`) belongs to the process
+that ran its last pass: the others leave it to that process while its next pass is no more than
+``DIAGNOSIS_HANDOVER_S`` overdue (a worker that died, or that is busy elsewhere, is taken over after that), and a
+worker shutting down hands its clusters back at once (:func:`release`). ``clusterdx worker`` runs its tasks in
+threads of one process, so a worker is one owner, however many tasks it runs at a time.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,6 +30,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery import shared_task
+from celery.signals import worker_process_shutdown, worker_shutdown
 from django.conf import settings
 from django.core.cache import cache
 from django.db import connection
@@ -124,38 +133,82 @@ def record_efficiency() -> dict[str, int]:
     return {c.name: efficiency.record(c.id, now) for c in active_clusters(now)}
 
 
-# cluster id -> (when its last pass ended, time.time(); how long it took): where the shared cache is out of reach
-_paced: dict[int, tuple[float, float]] = {}
+# cluster id -> (when its last pass ended, time.time(); how long it took; the process that ran it): where the shared
+# cache is out of reach
+_paced: dict[int, tuple[float, float, str | None]] = {}
+_passing = threading.Lock()  # one pass at a time in a process: its threads share one held window
 
 
 def _pace_key(cluster_id: int) -> str:
     return f"diagnosis:paced:{cluster_id}"
 
 
-def due(cluster_id: int) -> bool:
-    """Whether a cluster's pass may run now. The schedule ticks every DIAGNOSIS_INTERVAL_S (2 s: a node cut off is
-    named within ~5 s); a cluster whose pass takes long gets one only once the pass has rested (1 / share - 1) times
-    its own duration, so it takes at most DIAGNOSIS_MAX_CPU_SHARE of a core. 128 nodes (~50 ms a pass) keep the 2 s
-    cadence; 2,048 nodes (~2 s a pass) get one about every 8 s instead of back to back.
+def me() -> str:
+    """This process as the owner of the clusters it ran passes for (the pid is read at each call: a prefork child
+    is not its parent)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
-    The last pass is read from the shared cache (Redis in production): the ticks of a Celery worker with
-    ``--concurrency 2`` go to either of its processes, and each process pacing only its own passes let the two run
-    a 2,048-node cluster's pass twice as often as the share allows."""
+
+def _last(cluster_id: int) -> tuple[float, float, str | None] | None:
     try:
         last = cache.get(_pace_key(cluster_id))
     except Exception:  # Redis unreachable: this process's own record, better than no pacing
         last = _paced.get(cluster_id)
     if last is None:
+        return None
+    ended, took, *owner = last  # a record from before owners were kept has none
+    return ended, took, (owner[0] if owner else None)
+
+
+def due(cluster_id: int) -> bool:
+    """Whether a cluster's pass may run now, in this process. The schedule ticks every DIAGNOSIS_INTERVAL_S (2 s: a
+    node cut off is named within ~5 s); a cluster whose pass takes long gets one only once the pass has rested
+    (1 / share - 1) times its own duration, so it takes at most DIAGNOSIS_MAX_CPU_SHARE of a core. 128 nodes (~50 ms
+    a pass) keep the 2 s cadence; 2,048 nodes (~2 s a pass) get one about every 8 s instead of back to back.
+
+    The last pass is read from the shared cache (Redis in production): ticks go to any worker process, and each
+    process pacing only its own passes let two run a 2,048-node cluster's pass twice as often as the share allows.
+
+    A paced cluster (its rest at least a tick) is left to the process that ran its last pass, which holds the window
+    and reads only what was written since, for ``DIAGNOSIS_HANDOVER_S`` past due: the owner's next tick comes within
+    a few (each worker takes its turn at the queue). A cluster whose pass is quicker than a tick keeps the
+    schedule's cadence in any process: reading its whole window costs less than waiting."""
+    last = _last(cluster_id)
+    if last is None:
         return True
-    ended, took = last
-    share = float(settings.CLUSTERDX["DIAGNOSIS_MAX_CPU_SHARE"])
-    return time.time() - ended >= took * (1.0 / share - 1.0)
+    ended, took, owner = last
+    c = settings.CLUSTERDX
+    rest = took * (1.0 / float(c["DIAGNOSIS_MAX_CPU_SHARE"]) - 1.0)
+    since = time.time() - ended
+    if since < rest:
+        return False
+    if owner is None or owner == me() or rest < float(c["DIAGNOSIS_INTERVAL_S"]):
+        return True
+    return since >= rest + float(c["DIAGNOSIS_HANDOVER_S"])
 
 
 def paced(cluster_id: int, took: float) -> None:
-    _paced[cluster_id] = record = (time.time(), took)
+    _paced[cluster_id] = record = (time.time(), took, me())
     with contextlib.suppress(Exception):  # the local record above still paces this process
         cache.set(_pace_key(cluster_id), record, timeout=3600)
+
+
+def release() -> None:
+    """Hand this process's clusters back (a worker shutting down): the next tick's process takes them at once,
+    where it would wait out the handover for a process that is gone. The pace stays."""
+    mine = me()
+    for cluster_id in list(_paced):
+        last = _last(cluster_id)
+        if last is not None and last[2] == mine:
+            with contextlib.suppress(Exception):
+                cache.set(_pace_key(cluster_id), (last[0], last[1], None), timeout=3600)
+        _paced.pop(cluster_id, None)
+
+
+@worker_shutdown.connect
+@worker_process_shutdown.connect
+def _release_on_shutdown(**_: Any) -> None:
+    release()
 
 
 def observe_parts(parts: dict[str, float]) -> None:
@@ -166,6 +219,17 @@ def observe_parts(parts: dict[str, float]) -> None:
 
 @shared_task(name="dashboard.diagnosis.tasks.diagnose")
 def diagnose() -> dict[str, float]:
+    """One tick: a pass for each active cluster that is due here. A tick that finds this process's pass still
+    running (another thread of ``clusterdx worker``) leaves it be: the next tick comes in DIAGNOSIS_INTERVAL_S."""
+    if not _passing.acquire(blocking=False):
+        return {}
+    try:
+        return _diagnose()
+    finally:
+        _passing.release()
+
+
+def _diagnose() -> dict[str, float]:
     now = time.time()
     took: dict[str, float] = {}
     for cluster in active_clusters(now):

@@ -246,6 +246,60 @@ def test_a_long_pass_rests_in_proportion_before_the_next(settings: Any) -> None:
     assert tasks.due(987_654)
 
 
+def test_a_paced_cluster_is_left_to_the_process_that_holds_its_window(settings: Any) -> None:
+    """The process that ran a cluster's last pass holds its window: another process leaves a paced cluster to it
+    for DIAGNOSIS_HANDOVER_S past due, then takes it over; a quick cluster keeps the tick's cadence anywhere."""
+    from django.core.cache import cache
+
+    from dashboard.diagnosis import tasks
+
+    settings.CLUSTERDX = {**settings.CLUSTERDX, "DIAGNOSIS_MAX_CPU_SHARE": 0.25, "DIAGNOSIS_INTERVAL_S": 2.0,
+                          "DIAGNOSIS_HANDOVER_S": 20.0}
+    cid, key = 987_653, tasks._pace_key(987_653)
+
+    def last_pass(ago: float, took: float, owner: str | None) -> bool:
+        cache.set(key, (time.time() - ago, took, owner) if owner != "old" else (time.time() - ago, took))
+        return tasks.due(cid)
+
+    try:
+        # A 3 s pass rests 9 s: due 1 s ago, but for the process holding its window.
+        assert not last_pass(10, 3.0, "elsewhere:1"), "another process's cluster, its next pass 1 s overdue"
+        assert last_pass(10, 3.0, tasks.me()), "this process's own"
+        assert last_pass(10, 3.0, None), "handed back (its worker shut down)"
+        assert last_pass(10, 3.0, "old"), "a record from before owners"
+        assert not last_pass(28.5, 3.0, "elsewhere:1"), "19.5 s overdue: still the owner's"
+        assert last_pass(29.5, 3.0, "elsewhere:1"), "over 20 s overdue: the owner is gone or busy, taken over"
+        assert not last_pass(8, 3.0, tasks.me()), "resting, whoever asks"
+        # A 0.5 s pass rests 1.5 s, less than a tick: every tick's process runs it.
+        assert last_pass(1.6, 0.5, "elsewhere:1")
+        settings.CLUSTERDX = {**settings.CLUSTERDX, "DIAGNOSIS_HANDOVER_S": 0.0}
+        assert last_pass(10, 3.0, "elsewhere:1"), "no handover wait: any process, as soon as due"
+    finally:
+        cache.delete(key)
+
+
+def test_a_worker_shutting_down_hands_its_clusters_back_and_keeps_their_pace(settings: Any) -> None:
+    from django.core.cache import cache
+
+    from dashboard.diagnosis import tasks
+
+    settings.CLUSTERDX = {**settings.CLUSTERDX, "DIAGNOSIS_MAX_CPU_SHARE": 0.25, "DIAGNOSIS_INTERVAL_S": 2.0,
+                          "DIAGNOSIS_HANDOVER_S": 20.0}
+    mine, theirs = 987_651, 987_652
+    try:
+        tasks.paced(mine, 3.0)
+        tasks.paced(theirs, 3.0)
+        cache.set(tasks._pace_key(theirs), (time.time(), 3.0, "elsewhere:1"))  # another process ran it since
+        tasks.release()
+        assert cache.get(tasks._pace_key(mine))[2] is None
+        assert cache.get(tasks._pace_key(theirs))[2] == "elsewhere:1", "only what this process still owns"
+        assert not tasks.due(mine), "handed back, still resting"
+        cache.set(tasks._pace_key(mine), (time.time() - 10, 3.0, None))
+        assert tasks.due(mine)
+    finally:
+        cache.delete_many([tasks._pace_key(mine), tasks._pace_key(theirs)])
+
+
 def test_the_pace_is_shared_by_every_process_that_runs_passes(settings: Any) -> None:
     """A Celery worker's ticks go to any of its processes (``--concurrency 2``): a pass one process ran paces the
     others, through the shared cache, or the two together would run a cluster's pass twice as often as the share."""
