@@ -225,6 +225,39 @@ def test_retention_drops_only_expired_partitions(world: World, settings: Any) ->
     assert GpuFrame.objects.count() == 3
 
 
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="TOAST is PostgreSQL's")
+def test_a_frame_up_to_a_page_stays_in_its_row_in_every_partition(world: World) -> None:
+    """Frames are LZ4 already: PostgreSQL must neither try to compress them again nor move them out of line (a TOAST
+    row and index entry per insert, a second lookup per read), in a partition made at migration, one made later
+    with rows moved out of the default partition, or the default partition itself."""
+    import os
+
+    from dashboard.storage import frames
+
+    assert set(partitions.STORAGE) == {k.model._meta.db_table for k in frames.KINDS.values()}, "every frame table"
+    node = Node.objects.create(cluster=world.cluster, hostname="node-t")
+    now = timezone.now()
+    later = now + timedelta(days=30)  # no partition yet: lands in the default one, then gets its own
+    stray = now + timedelta(days=300)  # stays in the default one
+
+    def frame(at: datetime) -> None:
+        GpuFrame.objects.create(cluster=world.cluster, node=node, ts=at, n=1, data=os.urandom(6000))
+
+    for at in (now, later, stray):
+        frame(at)
+    with connection.cursor() as cursor:
+        partitions.ensure_partitions(cursor, "telemetry_gpuframe", [later.date()])
+        frame(later)
+        held = [partitions.partition_name("telemetry_gpuframe", d) for d in (now.date(), later.date())]
+        for name in [*held, "telemetry_gpuframe_default"]:
+            cursor.execute("SELECT c.reloptions, pg_relation_size(c.reltoastrelid), "
+                           "(SELECT count(*) FROM telemetry_gpuframe WHERE tableoid = c.oid) "
+                           "FROM pg_class c WHERE c.relname = %s", [name])
+            options, toasted, rows = cursor.fetchone()
+            assert "toast_tuple_target=8160" in options, name
+            assert rows >= 1 and toasted == 0, f"{name}: {rows} frames of 6,000 bytes, {toasted} bytes out of line"
+
+
 @pytest.mark.skipif(connection.vendor == "postgresql", reason="PostgreSQL drops partitions (previous test)")
 def test_retention_deletes_exactly_the_expired_frames_in_chunks(world: World, settings: Any) -> None:
     node = Node.objects.create(cluster=world.cluster, hostname="node-s")
