@@ -134,6 +134,22 @@ def test_a_frame_of_an_older_layout_reads_into_todays() -> None:
     assert rows["sent"].tolist() == [5.0, 5.0, 1.0] and np.isnan(rows["bw_gbps"][:2]).all()
 
 
+def test_a_read_builds_only_the_object_fields_it_asks_for() -> None:
+    """The diagnosis pass asks a step frame for its groups and never its metrics; the frames' other texts are
+    skipped, whatever they hold, and the fields asked for read the same as from a read of them all."""
+    width = len(fr.STEPS.numbers)
+    metrics = [{"loss": 2.5, "grad_norm": 1.0}, {"loss": 2.4, "nested": {"deep": [1, 2]}}]
+    frames = [(2, fr.STEPS.layout, fr.pack(np.zeros((2, width)), {"metrics": metrics, "groups": ["tp0", None]})),
+              (1, fr.STEPS.layout, fr.pack(np.ones((1, width)))),  # no texts at all
+              (1, fr.STEPS.layout, fr.pack(np.ones((1, width)), {"metrics": [{"loss": 1.0}]}))]  # no groups
+    every = fr.decode(fr.STEPS, frames, (), fr.STEPS.objects)
+    groups = fr.decode(fr.STEPS, frames, (), ("groups",))
+    assert set(groups.objs) == {"groups"}
+    assert groups.objs["groups"] == every.objs["groups"] == ["tp0", None, None, None]
+    assert every.objs["metrics"] == [*metrics, None, {"loss": 1.0}]
+    assert fr.decode(fr.STEPS, frames, (), ("metrics",)).objs == {"metrics": every.objs["metrics"]}
+
+
 def test_the_layouts_follow_the_wire() -> None:
     """A field added to a framed wire record must come with a new layout (appended), or stored frames would be read
     with the wrong columns; the object fields must be fields the wire has."""
