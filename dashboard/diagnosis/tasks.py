@@ -7,12 +7,12 @@ that picks up an overlapping tick skip that cluster instead of doing the same wo
 
 The process that runs a pass keeps its window for the next one (:mod:`dashboard.diagnosis.held`): its first pass
 reads the whole window, the next ones what was written since. Beat's ticks go to whichever worker process is free,
-and a process that took only every fourth tick read four passes' worth of rows each time (at 2,048 nodes, 2.7 s
-passes where one process's would take ~1 s). So a cluster whose pass is paced (:func:`due`) belongs to the process
-that ran its last pass: the others leave it to that process while its next pass is no more than
-``DIAGNOSIS_HANDOVER_S`` overdue (a worker that died, or that is busy elsewhere, is taken over after that), and a
-worker shutting down hands its clusters back at once (:func:`release`). ``clusterdx worker`` runs its tasks in
-threads of one process, so a worker is one owner, however many tasks it runs at a time.
+and a process that took only every fourth tick (two workers of two processes each) read four passes' worth of rows
+each time. So a cluster whose pass is paced (:func:`due`) belongs to the process that ran its last pass: the others
+leave it to that process while its next pass is no more than ``DIAGNOSIS_HANDOVER_S`` overdue (a worker that died,
+or that is busy elsewhere, is taken over after that), and a worker shutting down hands its clusters back at once
+(:func:`release`). ``clusterdx worker`` runs its tasks in threads of one process, so a worker is one owner, however
+many tasks it runs at a time.
 """
 
 from __future__ import annotations
