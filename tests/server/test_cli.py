@@ -86,7 +86,12 @@ def test_worker_beat_keeps_its_schedule_in_the_data_directory(settings: Any, mon
     settings.REDIS_URL = "redis://127.0.0.1:6379/0"
     argv: list[list[str]] = []
     monkeypatch.setattr(app, "worker_main", argv.append)  # the argv Celery would start with, not a worker
-    assert worker.main(argparse.Namespace(beat=True, concurrency=2)) == 0
+    parser = argparse.ArgumentParser()
+    worker.configure(parser)
+    assert worker.main(parser.parse_args(["--beat"])) == 0
     assert f"--schedule={settings.DATA_DIR / 'celerybeat-schedule'}" in argv[0] and "--beat" in argv[0]
-    worker.main(argparse.Namespace(beat=False, concurrency=2))
+    # Threads of one process by default: a worker is one owner of the diagnosis windows it holds.
+    assert {"--pool=threads", "--concurrency=2"} <= set(argv[0])
+    worker.main(parser.parse_args(["--concurrency", "4", "--pool", "prefork"]))
     assert not any(a.startswith(("--beat", "--schedule")) for a in argv[1])
+    assert {"--pool=prefork", "--concurrency=4"} <= set(argv[1])
