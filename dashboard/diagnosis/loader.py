@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -286,14 +287,15 @@ def _bound_epoch(now: float, span: float) -> float:
 
 def _framed(kind: fr.Kind, key: tuple[Any, ...], scope: str, scope_id: int, at: int, bound: float,
             bound_sql: str, bound_params: list[Any], num: tuple[str, ...], obj: tuple[str, ...] = (),
-            strict: bool = False, also: tuple[str, list[Any], Callable[[list[Any]], None]] | None = None
-            ) -> held.Series:
+            strict: bool = False, also: tuple[str, list[Any], Callable[[list[Any]], None]] | None = None,
+            derive: tuple[str, Callable[[list[Any]], np.ndarray]] | None = None) -> held.Series:
     """The held series ``key`` of ``kind``'s samples: those whose column ``at`` of ``num`` is at or past ``bound``
     (past it when ``strict``), from the frames matching ``scope = scope_id`` and ``bound_sql`` (which must select
     every frame that can hold such a sample: frames are chosen whole, their samples filtered as they are merged).
     ``num``: the numeric rows the series keeps (the kind's fields, and "node_id" for the frame's node); ``obj``: its
     object fields. One query a pass, reading the frames written since the last (held.read). ``also``: (condition,
-    params, receiver) of more frames the same query reads, handed to the receiver as read (not held)."""
+    params, receiver) of more frames the same query reads, handed to the receiver as read (not held). ``derive``:
+    (an object field, a function of its values) giving one more numeric row, worked out for the rows read now only."""
     table = connection.ops.quote_name(kind.model._meta.db_table)
 
     def fetch(cond: str, params: list[Any], fresh: bool) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
@@ -307,10 +309,19 @@ def _framed(kind: fr.Kind, key: tuple[Any, ...], scope: str, scope_id: int, at: 
         if also is not None:
             also[2]([f for f in got if f[5]])
             got = [f for f in got if not f[5]]
-        rows = fr.decode(kind, got, ("id", "node_id"), obj)
-        mat = np.empty((len(num), len(rows)))
-        for i, c in enumerate(num):
-            mat[i] = rows["node_id"] if c == "node_id" else rows.mat[:, kind.col(c)]
+        rows = fr.decode(kind, got, ("id", "node_id"), (*obj, *([derive[0]] if derive and derive[0] not in obj else [])))
+        # Built a row per sample (the decoded frames' own order), then seen a row per field through a transposed
+        # view: the held series takes its columns in one copy. Gathering each field's column out of the samples'
+        # rows instead strode through the whole delta once per field (~200,000 GPU samples of 34 fields a pass at
+        # 2,048 nodes, the pass's largest single cost under ingest).
+        lead = int(num[0] == "node_id")  # the frame's node, where asked for, comes first
+        out = np.empty((len(rows), len(num) + (derive is not None)))
+        out[:, lead:len(num)] = rows.mat.take([kind.col(c) for c in num[lead:]], axis=1)
+        if lead:
+            out[:, 0] = rows["node_id"]
+        if derive is not None:
+            out[:, -1] = derive[1](rows.objs[derive[0]])
+        mat = out.T
         objs = [np.fromiter(rows.objs[f], dtype=object, count=len(rows)) for f in obj]
         return rows["id"].astype(np.int64), mat, objs
 
@@ -343,34 +354,62 @@ def _port_suspects(objs: list[np.ndarray]) -> np.ndarray:
 
 def _probes(cluster_id: int, now: float, lut: np.ndarray, hostnames: list[str], index: dict[str, int]) -> Table:
     bound, sql, params = _since_frames(now, SPANS["probes"])
+    # The peer is held as its code (_peer_code), worked out once per row as it is read, not as a name mapped again
+    # for every row of the window at every pass (a dict lookup per row: ~20 ms of a pass at 2,048 nodes).
     s = _framed(fr.PROBES, ("probes", cluster_id), "cluster_id", cluster_id, 1, bound, sql, params,
-                ("node_id", "ts", "sent", "lost", "rtt_ms", "bw_gbps"), ("peer",))
-    mat, (peer,) = _known(s.mat, s.objs, lut)
-    names = sorted(set(peer))
-    for name in names:
+                ("node_id", "ts", "sent", "lost", "rtt_ms", "bw_gbps"), derive=("peer", _peer_codes))
+    mat, _ = _known(s.mat, [], lut)
+    codes = mat[-1].astype(np.int64)
+    present = np.unique(codes)
+    for name in sorted(_peer_names[c] for c in present):
         if name not in index:  # a peer without an agent (an address, or a host we have not heard from)
             index[name] = len(hostnames)
             hostnames.append(name)
-    # Peer names map through their few distinct values, not row by row.
-    codes = {name: i for i, name in enumerate(names)}
-    peer_lut = np.array([index[n] for n in names], dtype=float)
-    peers = peer_lut[np.fromiter(map(codes.__getitem__, peer), dtype=np.int64, count=len(peer))] \
-        if names else np.empty(0)
-    table = _table(mat, [], ("node", "ts", "sent", "lost", "rtt_ms", "bw_gbps"), (), lut)
-    table.num = {"node": table.num["node"], "peer": peers, **{c: table.num[c] for c in PROBE_NUM[2:]}}
+    peer_lut = np.full(len(_peer_names), -1.0)
+    peer_lut[present] = [index[_peer_names[c]] for c in present]
+    table = _table(mat[:-1], [], ("node", "ts", "sent", "lost", "rtt_ms", "bw_gbps"), (), lut)
+    table.num = {"node": table.num["node"], "peer": peer_lut[codes], **{c: table.num[c] for c in PROBE_NUM[2:]}}
     return table
+
+
+# Every peer name a probe named, in this process, by a code that never changes (the held probe rows keep codes).
+# A cluster's peers are its hosts and a few addresses: bounded by what the agents probe, like the hosts themselves.
+_peer_index: dict[Any, int] = {}
+_peer_names: list[Any] = []
+
+
+def _peer_code(name: Any) -> int:
+    code = _peer_index.get(name)
+    if code is None:
+        code = _peer_index[name] = len(_peer_names)
+        _peer_names.append(name)
+    return code
+
+
+_peer_lock = threading.Lock()  # two passes in threads of one process (tests) must not hand out one code twice
+
+
+def _peer_codes(peers: list[Any]) -> np.ndarray:
+    with _peer_lock:
+        return np.fromiter(map(_peer_code, peers), dtype=float, count=len(peers))
 
 
 def _hosts(cluster_id: int, now: float, by_id: dict[int, int], hostnames: list[str],
            runs: list[RunInfo]) -> dict[str, dict[str, Any]]:
     where, params = _since(cluster_id, now, SPANS["hosts"])
     out: dict[str, dict[str, Any]] = {}
-    for node_id, ts, cpu, nfs in _rows(m.HostSample, ["node_id", _epoch(), "cpu_pct", _text("nfs")], where, params):
+    # Each node's newest sample only, picked by the database: the window's every row (20,480 at 2,048 nodes) made
+    # into a tuple and compared in Python was ~60 ms of a pass. PostgreSQL: DISTINCT ON; SQLite: a bare column
+    # beside max() is taken from the row holding the max.
+    if connection.vendor == "postgresql":
+        columns, tail = ["DISTINCT ON (node_id) node_id", _epoch(), "cpu_pct", _text("nfs")], \
+            " ORDER BY node_id, ts DESC"
+    else:
+        columns, tail = ["node_id", f"MAX({_epoch()})", "cpu_pct", "nfs"], " GROUP BY node_id"
+    for node_id, ts, cpu, nfs in _rows(m.HostSample, columns, where + tail, params):
         if node_id not in by_id:  # created after this pass read the inventory (see _known)
             continue
-        host = hostnames[by_id[node_id]]
-        if host not in out or ts > out[host]["ts"]:
-            out[host] = {"ts": ts, "cpu_pct": cpu, "nfs": nfs}
+        out[hostnames[by_id[node_id]]] = {"ts": ts, "cpu_pct": cpu, "nfs": nfs}
     for h in out.values():  # only the newest sample's mounts are decoded
         h["nfs"] = _json(h["nfs"])
     # The interface lists answer one question (what NCCL_SOCKET_IFNAME can select on a node), asked only where a
@@ -395,7 +434,14 @@ def _interfaces(cluster_id: int, now: float) -> list[tuple[int, Any]]:
     col = "interfaces::text" if connection.vendor == "postgresql" else "interfaces"
     rows = _rows(m.Node, ["id", col], "cluster_id = %s AND interfaces_at >= %s AND interfaces IS NOT NULL",
                  [cluster_id, connection.ops.adapt_datetimefield_value(_dt(now - INTERFACES_SPAN))])
-    return [(node_id, _decode(text)) for node_id, text in rows]
+    if len(_interface_lists) > 4 * len(rows) + 1024:  # the lists of nodes gone or changed since
+        _interface_lists.clear()
+    # A node's list changes rarely: each text is decoded once and its list kept (2,048 decoded every pass were ~25 ms).
+    return [(node_id, _interface_lists[text] if text in _interface_lists else
+             _interface_lists.setdefault(text, _decode(text))) for node_id, text in rows]
+
+
+_interface_lists: dict[Any, Any] = {}  # an interface list's text as read -> the list (the detectors only read it)
 
 
 def _events(cluster_id: int, now: float) -> list[dict[str, Any]]:
