@@ -221,11 +221,21 @@ def test_rank_metas_read_again_unchanged_are_not_decoded_again(world: World, mon
     assert metas() == second, "a fresh read gives the same metas"
 
 
-def test_rows_leaving_mixed_with_rows_staying_are_dropped_in_place_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+def _layout(mat: np.ndarray, by_sample: bool) -> np.ndarray:
+    """A delta's matrix (a row per field) as the frame reads give it (``by_sample``: a transposed view of a row per
+    sample) or as the row tables' reads do."""
+    return np.ascontiguousarray(mat.T).T if by_sample else mat
+
+
+@pytest.mark.parametrize("by_sample", [False, True])
+def test_rows_leaving_mixed_with_rows_staying_are_dropped_in_place_in_order(monkeypatch: pytest.MonkeyPatch,
+                                                                           by_sample: bool) -> None:
     """Each post holds its node's last 4 s, so the rows leaving the window are mixed with rows that stay, over the
     buffer's front: they are dropped where they are (no new buffers for the whole window), the order of the rows
     that stay kept, and the held rows are exactly those of every row read that are in the window. Once the window
-    stops growing, the rows move back to the buffers' start in place rather than to new buffers."""
+    stops growing, the rows move back to the buffers' start in place rather than to new buffers. The same whether
+    the delta comes a row per field or a row per sample, and across the steps its copy is made in."""
+    monkeypatch.setattr(held, "COPY_ROWS", 64)
     rng = np.random.default_rng(7)
     series = held.Series(at=1, strict=False)
     shifts = 0
@@ -254,7 +264,7 @@ def test_rows_leaving_mixed_with_rows_staying_are_dropped_in_place_in_order(monk
             ids = np.r_[series.top, ids]
             ts = np.r_[every_ts[at], ts]
             objs = [np.r_[np.array([every_obj[at]], dtype=object), objs[0]]]
-        assert series.merge(ids, np.vstack([ids.astype(float), ts]), objs, bound)
+        assert series.merge(ids, _layout(np.vstack([ids.astype(float), ts]), by_sample), objs, bound)
         want = [i for i, t in zip(every_id, every_ts, strict=True) if t >= bound]
         assert series.ids.tolist() == want  # exactly the window, in the order written
         assert series.mat[1].min() >= bound and series.objs[0].tolist() == [f"row {i}" for i in want]
@@ -263,3 +273,16 @@ def test_rows_leaving_mixed_with_rows_staying_are_dropped_in_place_in_order(monk
     # 98 passes, each dropping rows mixed with rows that stay: new buffers only as the window grew (doubling)
     assert buffers <= 3 and shifts, (buffers, shifts)  # (87 new buffers when every pass copied the window)
     assert (series._objs[0][:series.lo] == None).all()  # noqa: E711 (element-wise): nothing left behind is kept
+
+
+def test_a_merged_hole_does_not_hold_a_row_twice() -> None:
+    """Past MAX_HOLES, neighbouring holes merge, and a merged hole reads again rows held already (ids between the
+    holes): each is held once, and a row of the hole read for the first time is added."""
+    series = held.Series(at=1, strict=False)
+    ids = np.array([1, 2, 3, 5, 6, 8, 9, 10], dtype=np.int64)
+    assert series.merge(ids, _layout(np.vstack([ids.astype(float), ids + 100.0]), True), [], 0.0)
+    series.holes = [(4, 7, time.monotonic())]  # 4 and 7 unseen; 5 and 6 held, inside the merged hole
+    got = np.array([10, 5, 6, 7, 11], dtype=np.int64)  # the top row again, the hole's rows, a new one
+    assert series.merge(got, np.vstack([got.astype(float), got + 100.0]), [], 0.0)
+    assert sorted(series.ids.tolist()) == [1, 2, 3, 5, 6, 7, 8, 9, 10, 11]
+    assert sorted(series.mat[1].tolist()) == [i + 100.0 for i in [1, 2, 3, 5, 6, 7, 8, 9, 10, 11]]
