@@ -262,8 +262,8 @@ CLUSTERDX = {
     # An agent silent for this long is reported down.
     "HEARTBEAT_TIMEOUT_S": env_float("CLUSTERDX_HEARTBEAT_TIMEOUT_S", 15.0, min=1.0),
     "DIAGNOSIS_INTERVAL_S": env_float("CLUSTERDX_DIAGNOSIS_INTERVAL_S", 2.0, min=0.5),
-    # A cluster's pass rests (1 / share - 1) times its own duration before the next: a large cluster's pass takes at
-    # most this share of a core instead of running back to back (dashboard.diagnosis.tasks.due).
+    # A cluster's pass rests until its CPU seconds are at most this share of the time since it began: a large
+    # cluster's pass takes at most this share of a core instead of running back to back (diagnosis.tasks.due).
     "DIAGNOSIS_MAX_CPU_SHARE": env_float("CLUSTERDX_DIAGNOSIS_MAX_CPU_SHARE", 0.25, min=0.01),
     # A paced cluster's next pass waits this long past due for the process that ran its last pass (and holds its
     # window) before another process takes it over (dashboard.diagnosis.tasks.due).

@@ -154,10 +154,12 @@ async def diagnose() -> dict[str, float]:
             continue
         executor = pool()
         t0 = time.perf_counter()
+        cpu: float | None = None
         try:
             detections, parts, _ = await loop.run_in_executor(executor, _child_detect, cluster.id, now, t,
                                                               get_state().beats(cluster.id))
             t1 = time.perf_counter()
+            cpu = parts.pop("cpu", None)  # the child's: what the pace budgets (tasks.due)
             await in_jobs_thread(reconcile)(cluster, detections, datetime.fromtimestamp(now, tz=UTC))
             observe_parts({**parts, "reconcile": time.perf_counter() - t1,
                            "handover": t1 - t0 - parts["load"] - parts["detect"]})
@@ -169,7 +171,7 @@ async def diagnose() -> dict[str, float]:
             log.exception("diagnosis pass for cluster %s failed", cluster.name)
             continue
         finally:
-            paced(cluster.id, time.perf_counter() - t0)
+            paced(cluster.id, time.perf_counter() - t0, cpu)
         took[cluster.name] = round(time.perf_counter() - t0, 4)
         metrics.DIAGNOSIS_SECONDS.observe(took[cluster.name])
         if time.time() - _wanted.get(cluster.id, -OVERVIEW_WANTED_S) > OVERVIEW_WANTED_S:

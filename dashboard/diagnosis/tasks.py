@@ -95,16 +95,17 @@ def _no_gc() -> Iterator[None]:
 def detect(cluster: Cluster, now: float, t: Thresholds | None = None,
            beats: list[dict[str, Any]] | None = None) -> tuple[list[Detection], dict[str, float]]:
     """The read-only half of a pass (the window, the detectors): what the embedded default runs in a process of its
-    own (:mod:`dashboard.diagnosis.offload`). Returns the detections and the seconds each part took."""
+    own (:mod:`dashboard.diagnosis.offload`). Returns the detections and the seconds each part took, and the CPU
+    seconds of the two together ("cpu", this thread's: what the pace budgets)."""
     with _no_gc():
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         window = load_window(cluster, now, beats)
         t1 = time.perf_counter()
         detections = run_all(window, t or thresholds())
         # Freed before the collector is back: its first collection (at the next allocation) walked every container
         # the window still held (~60 ms a pass at 2,048 nodes) to find nothing.
         del window
-    return detections, {"load": t1 - t0, "detect": time.perf_counter() - t1}
+    return detections, {"load": t1 - t0, "detect": time.perf_counter() - t1, "cpu": time.thread_time() - cpu0}
 
 
 def run_pass(cluster: Cluster, now: float | None = None, t: Thresholds | None = None) -> PassResult:
@@ -118,7 +119,7 @@ def run_pass(cluster: Cluster, now: float | None = None, t: Thresholds | None = 
         t2 = time.perf_counter()
         result.changes = reconcile(cluster, result.detections, datetime.fromtimestamp(now, tz=UTC))
         result.timings_s["reconcile"] = time.perf_counter() - t2
-    result.timings_s["total"] = sum(result.timings_s.values())
+    result.timings_s["total"] = sum(v for k, v in result.timings_s.items() if k != "cpu")
     return result
 
 
@@ -136,9 +137,9 @@ def record_efficiency() -> dict[str, int]:
     return {c.name: efficiency.record(c.id, now) for c in active_clusters(now)}
 
 
-# cluster id -> (when its last pass ended, time.time(); how long it took; the process that ran it): where the shared
-# cache is out of reach
-_paced: dict[int, tuple[float, float, str | None]] = {}
+# cluster id -> (when its last pass ended, time.time(); how long it took; the process that ran it; its CPU seconds):
+# where the shared cache is out of reach
+_paced: dict[int, tuple[float, float, str | None, float | None]] = {}
 _passing = threading.Lock()  # one pass at a time in a process: its threads share one held window
 
 
@@ -152,22 +153,29 @@ def me() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def _last(cluster_id: int) -> tuple[float, float, str | None] | None:
+def _last(cluster_id: int) -> tuple[float, float, str | None, float | None] | None:
     try:
         last = cache.get(_pace_key(cluster_id))
     except Exception:  # Redis unreachable: this process's own record, better than no pacing
         last = _paced.get(cluster_id)
     if last is None:
         return None
-    ended, took, *owner = last  # a record from before owners were kept has none
-    return ended, took, (owner[0] if owner else None)
+    ended, took, *more = last  # a record from before owners (or CPU seconds) were kept has none
+    return ended, took, (more[0] if more else None), (more[1] if len(more) > 1 else None)
 
 
 def due(cluster_id: int) -> bool:
     """Whether a cluster's pass may run now, in this process. The schedule ticks every DIAGNOSIS_INTERVAL_S (2 s: a
-    node cut off is named within ~5 s); a cluster whose pass takes long gets one only once the pass has rested
-    (1 / share - 1) times its own duration, so it takes at most DIAGNOSIS_MAX_CPU_SHARE of a core. 128 nodes (~50 ms
-    a pass) keep the 2 s cadence; 2,048 nodes (~2 s a pass) get one about every 8 s instead of back to back.
+    node cut off is named within ~5 s); a cluster whose pass takes long gets one only once the pass's CPU seconds
+    over the time since its start are at most DIAGNOSIS_MAX_CPU_SHARE (a pass of ``cpu`` CPU seconds that took
+    ``took`` rests ``cpu / share - took``). 128 nodes (~50 ms a pass) keep the 2 s cadence; 2,048 nodes (~0.5 s of
+    CPU a pass) get one every few seconds instead of back to back.
+
+    CPU seconds, not the pass's wall time: a pass reads the rows written since the last, so its length grows with
+    its rest. Paced by wall time on a machine whose cores were full (PostgreSQL at 2,048 nodes: a pass's wall time
+    2-3 times its CPU), each rest made the next delta longer and the next pass longer still: 0.6, 3.6, 6.0, 6.9 s
+    passes in one minute, where CPU seconds settle (the rest grows with the CPU a pass costs, not with the wait for
+    a core).
 
     The last pass is read from the shared cache (Redis in production): ticks go to any worker process, and each
     process pacing only its own passes let two run a 2,048-node cluster's pass twice as often as the share allows.
@@ -179,9 +187,9 @@ def due(cluster_id: int) -> bool:
     last = _last(cluster_id)
     if last is None:
         return True
-    ended, took, owner = last
+    ended, took, owner, cpu = last
     c = settings.CLUSTERDX
-    rest = took * (1.0 / float(c["DIAGNOSIS_MAX_CPU_SHARE"]) - 1.0)
+    rest = (took if cpu is None else cpu) / float(c["DIAGNOSIS_MAX_CPU_SHARE"]) - took
     since = time.time() - ended
     if since < rest:
         return False
@@ -190,8 +198,10 @@ def due(cluster_id: int) -> bool:
     return since >= rest + float(c["DIAGNOSIS_HANDOVER_S"])
 
 
-def paced(cluster_id: int, took: float) -> None:
-    _paced[cluster_id] = record = (time.time(), took, me())
+def paced(cluster_id: int, took: float, cpu: float | None = None) -> None:
+    """A pass of ``cluster_id`` ended now, after ``took`` seconds of which ``cpu`` CPU seconds (None: unknown, paced
+    by ``took``)."""
+    _paced[cluster_id] = record = (time.time(), took, me(), cpu)
     with contextlib.suppress(Exception):  # the local record above still paces this process
         cache.set(_pace_key(cluster_id), record, timeout=3600)
 
@@ -204,7 +214,7 @@ def release() -> None:
         last = _last(cluster_id)
         if last is not None and last[2] == mine:
             with contextlib.suppress(Exception):
-                cache.set(_pace_key(cluster_id), (last[0], last[1], None), timeout=3600)
+                cache.set(_pace_key(cluster_id), (last[0], last[1], None, last[3]), timeout=3600)
         _paced.pop(cluster_id, None)
 
 
@@ -247,7 +257,7 @@ def _diagnose() -> dict[str, float]:
             continue
         if res.skipped:
             continue  # another worker's pass holds the cluster: its end paces the next one, not this skip
-        paced(cluster.id, time.monotonic() - started)
+        paced(cluster.id, time.monotonic() - started, res.timings_s.get("cpu"))
         took[cluster.name] = round(res.timings_s["total"], 4)
         metrics.DIAGNOSIS_SECONDS.observe(res.timings_s["total"])
         observe_parts({part: res.timings_s[part] for part in ("load", "detect", "reconcile")})

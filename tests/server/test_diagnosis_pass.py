@@ -246,6 +246,31 @@ def test_a_long_pass_rests_in_proportion_before_the_next(settings: Any) -> None:
     assert tasks.due(987_654)
 
 
+def test_the_rest_budgets_the_passs_cpu_seconds_not_its_wait_for_a_core(settings: Any) -> None:
+    """A pass of ``cpu`` CPU seconds that took ``took`` rests ``cpu / share - took``: on a machine whose cores are
+    full, a pass waits for a core as long as it computes, and resting in proportion to that wait made each next
+    pass read a longer delta (the pass grew without end)."""
+    from django.core.cache import cache
+
+    from dashboard.diagnosis import tasks
+
+    settings.CLUSTERDX = {**settings.CLUSTERDX, "DIAGNOSIS_MAX_CPU_SHARE": 0.25}
+    cid = 987_650
+    try:
+        tasks.paced(cid, 0.2, cpu=0.05)  # 50 ms of CPU over 200 ms: a quarter of a core already, no rest
+        assert tasks.due(cid)
+        tasks.paced(cid, 0.1, cpu=0.05)  # 50 ms of CPU over 100 ms: rests 100 ms
+        assert not tasks.due(cid)
+        time.sleep(0.06)
+        assert not tasks.due(cid)
+        time.sleep(0.06)
+        assert tasks.due(cid)
+        cache.set(tasks._pace_key(cid), (time.time(), 0.05, tasks.me()))  # a record from before CPU seconds
+        assert not tasks.due(cid), "paced by its wall time: rests 150 ms"
+    finally:
+        cache.delete(tasks._pace_key(cid))
+
+
 def test_a_paced_cluster_is_left_to_the_process_that_holds_its_window(settings: Any) -> None:
     """The process that ran a cluster's last pass holds its window: another process leaves a paced cluster to it
     for DIAGNOSIS_HANDOVER_S past due, then takes it over; a quick cluster keeps the tick's cadence anywhere."""
@@ -287,11 +312,12 @@ def test_a_worker_shutting_down_hands_its_clusters_back_and_keeps_their_pace(set
                           "DIAGNOSIS_HANDOVER_S": 20.0}
     mine, theirs = 987_651, 987_652
     try:
-        tasks.paced(mine, 3.0)
+        tasks.paced(mine, 3.0, cpu=1.5)
         tasks.paced(theirs, 3.0)
         cache.set(tasks._pace_key(theirs), (time.time(), 3.0, "elsewhere:1"))  # another process ran it since
         tasks.release()
         assert cache.get(tasks._pace_key(mine))[2] is None
+        assert cache.get(tasks._pace_key(mine))[3] == 1.5, "its CPU seconds kept"
         assert cache.get(tasks._pace_key(theirs))[2] == "elsewhere:1", "only what this process still owns"
         assert not tasks.due(mine), "handed back, still resting"
         cache.set(tasks._pace_key(mine), (time.time() - 10, 3.0, None))
