@@ -309,7 +309,8 @@ def _framed(kind: fr.Kind, key: tuple[Any, ...], scope: str, scope_id: int, at: 
         if also is not None:
             also[2]([f for f in got if f[5]])
             got = [f for f in got if not f[5]]
-        rows = fr.decode(kind, got, ("id", "node_id"), (*obj, *([derive[0]] if derive and derive[0] not in obj else [])))
+        wanted = obj if derive is None or derive[0] in obj else (*obj, derive[0])
+        rows = fr.decode(kind, got, ("id", "node_id"), wanted)
         # Built a row per sample (the decoded frames' own order), then seen a row per field through a transposed
         # view: the held series takes its columns in one copy. Gathering each field's column out of the samples'
         # rows instead strode through the whole delta once per field (~200,000 GPU samples of 34 fields a pass at
@@ -437,8 +438,13 @@ def _interfaces(cluster_id: int, now: float) -> list[tuple[int, Any]]:
     if len(_interface_lists) > 4 * len(rows) + 1024:  # the lists of nodes gone or changed since
         _interface_lists.clear()
     # A node's list changes rarely: each text is decoded once and its list kept (2,048 decoded every pass were ~25 ms).
-    return [(node_id, _interface_lists[text] if text in _interface_lists else
-             _interface_lists.setdefault(text, _decode(text))) for node_id, text in rows]
+    out = []
+    for node_id, text in rows:
+        got = _interface_lists.get(text)
+        if got is None:
+            got = _interface_lists[text] = _decode(text)
+        out.append((node_id, got))
+    return out
 
 
 _interface_lists: dict[Any, Any] = {}  # an interface list's text as read -> the list (the detectors only read it)

@@ -31,9 +31,9 @@ from tests.server.test_alerts_worker import _require_services
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = f"cdx-passes-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-# Ticks every 0.25 s; a pass of a few tens of ms rests 65 times as long (seconds; a 10 ms pass 0.66 s, still more
-# than the 0.5 s tick), so the cluster is paced and its passes are the owner's; a handover far longer than the test's
-# wait for the takeover.
+# Ticks every 0.25 s; a pass of a few tens of ms of CPU rests ~65 times as long (seconds; 10 ms of CPU 0.66 s, still
+# more than the 0.5 s tick), so the cluster is paced and its passes are the owner's; a handover far longer than the
+# test's wait for the takeover.
 ENV = {"CLUSTERDX_DIAGNOSIS_INTERVAL_S": "0.5", "CLUSTERDX_DIAGNOSIS_MAX_CPU_SHARE": "0.015",
        "CLUSTERDX_DIAGNOSIS_HANDOVER_S": "60"}
 SUCCEEDED = re.compile(r"Task dashboard\.diagnosis\.tasks\.diagnose\[[-0-9a-f]+\] succeeded in [0-9.e-]+s: (\{.*\})")
