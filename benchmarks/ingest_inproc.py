@@ -27,9 +27,14 @@ sys.path.insert(0, str(ROOT))
 PG_URL = os.environ.get("CLUSTERDX_BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/cdx_bench_inproc")
 
 
-def _setup(backend: str) -> None:
+def _setup(backend: str, redis_url: str | None = None) -> None:
+    """Django on ``backend``, migrated; the live state in Redis at ``redis_url`` (as the production stack keeps it),
+    else in memory: this measures the database path."""
     os.environ.setdefault("CLUSTERDX_DATA_DIR", tempfile.mkdtemp(prefix="cdx-inproc-"))
-    os.environ.pop("REDIS_URL", None)  # the live state in memory: this measures the database path
+    os.environ.pop("REDIS_URL", None)
+    if redis_url:
+        os.environ["REDIS_URL"] = redis_url
+        os.environ.setdefault("CLUSTERDX_REDIS_PREFIX", f"stages{os.getpid()}")
     if backend == "pg":
         import psycopg
 

@@ -11,6 +11,9 @@ thread's own CPU (``time.thread_time``), so the contending thread's work is not 
     python benchmarks/ingest_stages.py --contend             # a busy thread beside it, on any CPU
     python benchmarks/ingest_stages.py --contend --pin       # the same two threads on one CPU
     python benchmarks/ingest_stages.py --profile store       # and where one stage's time goes (cProfile)
+    python benchmarks/ingest_stages.py --backend pg          # PostgreSQL, the live state in Redis (the production
+                                                             # stack's web worker; CLUSTERDX_BENCH_DATABASE_URL,
+                                                             # CLUSTERDX_TEST_REDIS_URL)
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=512)
     ap.add_argument("--seconds", type=int, default=12)
+    ap.add_argument("--backend", choices=["embedded", "pg"], default="embedded")
     ap.add_argument("--group", type=int, default=8, help="posts per commit (the 2,048-node run averages 7)")
     ap.add_argument("--contend", action="store_true", help="a thread that keeps the GIL busy beside the measured one")
     ap.add_argument("--pin", action="store_true", help="the whole process on one CPU")
@@ -54,7 +58,10 @@ def main() -> None:
     import ingest as bench
     from ingest_inproc import _checkpoint, _setup
 
-    _setup("sqlite")  # the embedded default in a temporary data directory, migrated
+    if args.backend == "pg":
+        _setup("pg", bench.REDIS_URL)
+    else:
+        _setup("sqlite")  # the embedded default in a temporary data directory, migrated
 
     from dashboard.ingest import asgi
     from dashboard.ingest import writer as w
@@ -110,7 +117,8 @@ def main() -> None:
     spent["store"] += _checkpoint(clock)  # what the commits left in SQLite's log, copied now: counted, not deferred
     stop.set()
     node_s = sum(p.seconds for p in rest)
-    print(f"{len(rest)} posts, {node_s} node-seconds, groups of {args.group}; contend={args.contend} pin={args.pin}")
+    print(f"{args.backend}: {len(rest)} posts, {node_s} node-seconds, groups of {args.group}; contend={args.contend} "
+          f"pin={args.pin}")
     for stage, s in spent.items():
         print(f"  {stage:8} {s / len(rest) * 1e6:6.0f} us a post  {s / node_s * 1e3:.3f} ms a node-second")
     total = sum(spent.values())
