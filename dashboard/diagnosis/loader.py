@@ -361,7 +361,9 @@ def _probes(cluster_id: int, now: float, lut: np.ndarray, hostnames: list[str], 
                 ("node_id", "ts", "sent", "lost", "rtt_ms", "bw_gbps"), derive=("peer", _peer_codes))
     mat, _ = _known(s.mat, [], lut)
     codes = mat[-1].astype(np.int64)
-    present = np.unique(codes)
+    # The codes are small (one per peer name this process met): counted rather than sorted (np.unique sorted the
+    # window's ~100,000 probe rows at every pass, 2 % of a pass at 2,048 nodes). Ascending, as unique's.
+    present = np.flatnonzero(np.bincount(codes, minlength=len(_peer_names)))
     for name in sorted(_peer_names[c] for c in present):
         if name not in index:  # a peer without an agent (an address, or a host we have not heard from)
             index[name] = len(hostnames)

@@ -326,26 +326,29 @@ def decode(kind: Kind, frames: Iterable[Sequence[Any]], cols: Sequence[str] = ()
     The matrices are joined as bytes and read by one ``np.frombuffer`` (a page reads thousands of frames)."""
     k = len(cols)
     width = len(kind.numbers)
+    today = kind.layout
+    row_bytes = [8 * len(lay) for lay in kind.layouts]  # looked up, not worked out, per frame (~20,000 a pass)
     chunks: list[Any] = []
     counts: list[int] = []
-    per: list[list[Any]] = [[] for _ in cols]
+    leads: list[Sequence[Any]] = []  # each frame's ``cols`` values, taken apart once after the loop
     wanted: dict[str, list[Any]] = {f: [] for f in objects}
     odd: list[tuple[int, np.ndarray]] = []  # (position in chunks, matrix) of frames in an older layout
     seen: dict[bytes, Any] = {}
     decode_tail = _tail_decoder(tuple(objects))
+    decompress = lz4.block.decompress
     for frame in frames:
         n, layout, data = frame[k], frame[k + 1], frame[k + 2]
-        raw = lz4.block.decompress(data)
-        size = 8 * n * len(kind.layouts[layout])
-        if layout == kind.layout:
+        raw = decompress(data)
+        size = n * row_bytes[layout]
+        if layout == today:
             chunks.append(memoryview(raw)[:size])
         else:
             odd.append((len(chunks), _to_today(kind, layout, np.frombuffer(raw, "<f8", n * len(kind.layouts[layout]))
                                                .reshape(n, -1))))
             chunks.append(b"")
         counts.append(n)
-        for j in range(k):
-            per[j].append(frame[j])
+        if k:
+            leads.append(frame[:k])  # not the frame: its compressed data is freed as the read goes on
         if wanted:
             tail = raw[size:]
             got = seen.get(tail)
@@ -356,6 +359,7 @@ def decode(kind: Kind, frames: Iterable[Sequence[Any]], cols: Sequence[str] = ()
             for f, into in wanted.items():
                 v = getattr(got, f)
                 into.extend(v if v is not None else [None] * n)
+    per = [[f[j] for f in leads] for j in range(k)]
     if odd:
         parts = [np.frombuffer(c, "<f8").reshape(-1, width) for c in chunks]
         for at, mat in odd:
