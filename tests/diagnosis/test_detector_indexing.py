@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
+from dashboard.diagnosis.detectors.base import nanmedian
 from dashboard.diagnosis.detectors.paths import _by_group
 from dashboard.diagnosis.detectors.steps import _dense
 
@@ -19,6 +25,23 @@ def test_dense_is_unique_with_inverse(values: list[float]) -> None:
     got, got_at = _dense(v)
     assert np.array_equal(got, want, equal_nan=True) and got.dtype == want.dtype
     assert np.array_equal(got_at.ravel(), want_at.ravel())
+
+
+# Values drawn from a few, so that ties and equal middles are common; NaN where a rank's row has not arrived.
+_CELLS = st.sampled_from([float("nan"), 0.0, 0.25, 1.0, 1.5, 3.0, -2.0, 1e-9, 7e6])
+
+
+@given(hnp.arrays(float, hnp.array_shapes(min_dims=2, max_dims=2, min_side=0, max_side=12), elements=_CELLS),
+       st.booleans())
+def test_nanmedian_down_the_columns_is_numpys(x: np.ndarray, keepdims: bool) -> None:
+    """The sort that reads each column's middle at its own count gives numpy's values to the bit: even and odd
+    counts, ties, all-NaN columns (NaN), empty matrices."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy warns of an all-NaN column
+        want = np.nanmedian(x, axis=0, keepdims=keepdims)
+        got = nanmedian(x, axis=0, keepdims=keepdims)
+    assert np.shape(got) == np.shape(want)
+    assert np.array_equal(got, want, equal_nan=True)
 
 
 def test_pairs_by_group_are_the_per_group_comparisons() -> None:

@@ -124,12 +124,29 @@ class Thresholds:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def nanmedian(x: np.ndarray, axis: int | None = None, keepdims: bool = False) -> np.ndarray | float:
+    """``np.nanmedian``, the same values, faster down the columns of a [rank x step] matrix: numpy takes such a
+    matrix's columns one at a time (apply_along_axis, a partition each), where one sort orders them all (NaN last)
+    and each column's middle is read at its own count. 16,384 ranks x 11 steps: ~2 ms against ~4, and the late-rank
+    detectors ask a dozen times a pass at 2,048 nodes. An all-NaN column gives NaN, as numpy's (without its
+    warning). Other shapes and axes go to numpy."""
+    if axis != 0 or x.ndim != 2 or x.shape[0] == 0:
+        return np.nanmedian(x, axis=axis, keepdims=keepdims)
+    s = np.sort(x, axis=0)
+    n = x.shape[0] - np.count_nonzero(np.isnan(s), axis=0)
+    cols = np.arange(x.shape[1])
+    lo, hi = s[np.maximum(n - 1, 0) // 2, cols], s[n // 2, cols]  # an all-NaN column reads row 0, then NaN below
+    with np.errstate(over="ignore"):  # as numpy's: the middle value, or the mean of the two middle ones
+        med = np.where(n % 2 == 1, lo, np.where(n > 0, (lo + hi) / 2, np.nan))
+    return med[np.newaxis, :] if keepdims else med
+
+
 def robust_z(x: np.ndarray, axis: int = 0, floor: float | np.ndarray = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """(z, median) along ``axis`` with the MAD scaled to a standard deviation and floored (a MAD of 0 when every
     rank is identical would make any difference infinite)."""
     with np.errstate(all="ignore"):
-        med = np.nanmedian(x, axis=axis, keepdims=True)
-        mad = np.nanmedian(np.abs(x - med), axis=axis, keepdims=True) * 1.4826
+        med = nanmedian(x, axis=axis, keepdims=True)
+        mad = nanmedian(np.abs(x - med), axis=axis, keepdims=True) * 1.4826
         scale = np.maximum(mad, floor)
         scale = np.where(scale > 0, scale, np.nan)
         return (x - med) / scale, med

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from dashboard.diagnosis.detectors.base import Detection, Thresholds, rnd
+from dashboard.diagnosis.detectors.base import Detection, Thresholds, nanmedian, rnd
 from dashboard.diagnosis.detectors.gpu import gpu_state
 from dashboard.diagnosis.detectors.steps import RunSteps, _persistent, _starvation_action, _straggler_action, _window, run_steps
 from dashboard.diagnosis.detectors.window import RankInfo, Window
@@ -211,8 +211,8 @@ def _culprit(w: Window, rs: RunSteps, g: Group, k: int, lag: np.ndarray, flags: 
     recent = np.nonzero(~np.isnan(rs.m["step_time_s"][i]))[0][-t.recent_steps:]
     data, comp = rs.m["data_wait_s"], rs.m["compute_s"]
     with np.errstate(all="ignore"):
-        ddata = float(np.nansum(data[i, cols] - np.nanmedian(data[peers][:, cols], axis=0)))
-        dcomp = float(np.nansum(comp[i, cols] - np.nanmedian(comp[peers][:, cols], axis=0)))
+        ddata = float(np.nansum(data[i, cols] - nanmedian(data[peers][:, cols], axis=0)))
+        dcomp = float(np.nansum(comp[i, cols] - nanmedian(comp[peers][:, cols], axis=0)))
     starved = ddata >= dcomp and ddata > 0
     lag_s = float(np.median(lag[k, cols]))
     where = f" on {info.node}" + (f" GPU {info.gpu}" if info.gpu is not None else "") if info.node else ""
@@ -279,14 +279,14 @@ def exposed_comm(w: Window, t: Thresholds, excused: set[str] | None = None) -> l
                     m[i, j] += g.get("exposed_s") or 0.0
         with np.errstate(all="ignore"):
             total = sum(by_role.values()) / rs.m["step_time_s"]
-            share = np.nanmedian(total, axis=0, keepdims=True)
+            share = nanmedian(total, axis=0, keepdims=True)
         present = ~np.isnan(share)
         if not _persistent(np.nan_to_num(share >= EXPOSED_WARN, nan=0).astype(bool), present, t.recent_steps,
                            t.persist_steps)[0]:
             continue
         s = float(np.nanmedian(share[0, -t.recent_steps:]))
         with np.errstate(all="ignore"):
-            roles = {r: rnd(np.nanmedian(np.nanmedian(m / rs.m["step_time_s"], axis=0)[-t.recent_steps:]))
+            roles = {r: rnd(np.nanmedian(nanmedian(m / rs.m["step_time_s"], axis=0)[-t.recent_steps:]))
                      for r, m in by_role.items()}
         out.append(_exposed_detection(w, rs, cells, s, roles))
     return out

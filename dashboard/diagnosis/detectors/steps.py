@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from dashboard.diagnosis.detectors import ranks
-from dashboard.diagnosis.detectors.base import Detection, Thresholds, rnd, robust_z
+from dashboard.diagnosis.detectors.base import Detection, Thresholds, nanmedian, rnd, robust_z
 from dashboard.diagnosis.detectors.gpu import gpu_state
 from dashboard.diagnosis.detectors.network import arrival_slack
 from dashboard.diagnosis.detectors.window import RankInfo, RunInfo, Window
@@ -58,6 +58,30 @@ def _dense(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def run_steps(w: Window, run_index: int, cols: tuple[str, ...], last: int) -> RunSteps | None:
+    """Run ``run_index``'s last ``last`` steps as [rank x step] matrices of step time, ts and ``cols``. Six detectors
+    ask for a run's grid each pass, three of them for the same steps: each grid's layout and each field's matrix are
+    built once per window (``Window.grids``, 16,384 ranks at 2,048 nodes) and every caller gets its own copy."""
+    key = (run_index, last)
+    grid = w.grids.get(key, False)
+    if grid is False:
+        grid = w.grids[key] = _grid(w, run_index, last)
+    if grid is None:
+        return None
+    keep, r_idx, s_idx, ranks, steps, full, mats = grid
+    m = {}
+    for c in ("step_time_s", "ts", *cols):
+        mat = mats.get(c)
+        if mat is None:
+            mat = np.full((len(ranks), len(steps)), np.nan)
+            mat[r_idx, s_idx] = w.steps[c][keep]
+            mat = mats[c] = mat[:, full]
+        m[c] = mat.copy()  # the caller's own: a detector may write into its matrices
+    return RunSteps(w.runs[run_index], ranks, steps[full], m)
+
+
+def _grid(w: Window, run_index: int, last: int) -> tuple[Any, ...] | None:
+    """(the step rows kept, their rank and step positions, the ranks, the steps, the steps most ranks reported, the
+    matrices built so far) of a run's last ``last`` steps; None when it has none."""
     t = w.steps
     rows = np.nonzero(t["run"] == run_index)[0]
     if len(rows) == 0:
@@ -67,18 +91,15 @@ def run_steps(w: Window, run_index: int, cols: tuple[str, ...], last: int) -> Ru
     keep = rows[step > top - last - 1]
     ranks, r_idx = _dense(t["rank"][keep])
     steps, s_idx = _dense(t["step"][keep])
-    m = {}
-    for c in ("step_time_s", "ts", *cols):
-        mat = np.full((len(ranks), len(steps)), np.nan)
-        mat[r_idx, s_idx] = t[c][keep]
-        m[c] = mat
+    times = np.full((len(ranks), len(steps)), np.nan)
+    times[r_idx, s_idx] = t["step_time_s"][keep]
     # The newest step is often still arriving (one node's batch is in, another's is not): keep a column only when
     # most ranks have it, so a half-reported step never decides anything.
-    have = np.sum(~np.isnan(m["step_time_s"]), axis=0)
+    have = np.sum(~np.isnan(times), axis=0)
     full = have >= max(1, 0.5 * len(ranks))
     if not full.any():
         return None
-    return RunSteps(w.runs[run_index], ranks, steps[full], {c: v[:, full] for c, v in m.items()})
+    return keep, r_idx, s_idx, ranks, steps, full, {"step_time_s": times[:, full]}
 
 
 def _persistent(flags: np.ndarray, present: np.ndarray, recent: int, persist: int) -> np.ndarray:
@@ -114,8 +135,8 @@ def _low_ref(x: np.ndarray, floor: float | np.ndarray) -> tuple[np.ndarray, np.n
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         ref = np.nanpercentile(x, 25, axis=0, keepdims=True)
-        low = np.where(x <= np.nanmedian(x, axis=0, keepdims=True), x, np.nan)
-        mad = np.nanmedian(np.abs(low - ref), axis=0, keepdims=True) * 1.4826
+        low = np.where(x <= nanmedian(x, axis=0, keepdims=True), x, np.nan)
+        mad = nanmedian(np.abs(low - ref), axis=0, keepdims=True) * 1.4826
         scale = np.maximum(mad, floor)
         scale = np.where(scale > 0, scale, np.nan)
         return (x - ref) / scale, ref
@@ -157,8 +178,8 @@ def _late_in_run(w: Window, rs: RunSteps, t: Thresholds, skip: set[int] | None =
         # steps_flagged of "11/8" cannot happen, and the evidence's medians describe the steps that decided.
         recent_cols = np.nonzero(present[i])[0][-t.recent_steps:]
         cols = recent_cols[flags[i, recent_cols]]
-        dbase = np.nanmedian(data[peers][:, cols], axis=0) if len(peers) else dmed[0, cols]
-        cbase = np.nanmedian(comp[peers][:, cols], axis=0) if len(peers) else cmed[0, cols]
+        dbase = nanmedian(data[peers][:, cols], axis=0) if len(peers) else dmed[0, cols]
+        cbase = nanmedian(comp[peers][:, cols], axis=0) if len(peers) else cmed[0, cols]
         ddata = float(np.nansum(data[i, cols] - dbase))
         dcomp = float(np.nansum(comp[i, cols] - cbase))
         z = float(np.nanmax(np.nan_to_num(np.vstack([lz[i, cols], dz[i, cols], cz[i, cols], dlz[i, cols],
@@ -180,7 +201,7 @@ def _rank_subject(run: str, rank: int) -> str:
 
 
 def _series(rs: RunSteps, i: int, col: str) -> dict[str, Any]:
-    med = np.nanmedian(rs.m[col], axis=0)
+    med = nanmedian(rs.m[col], axis=0)
     return {"step": rs.steps.astype(int).tolist(), "rank": [rnd(v) for v in rs.m[col][i]],
             "median": [rnd(v) for v in med]}
 
@@ -315,7 +336,7 @@ def _run_starved(w: Window, rs: RunSteps, t: Thresholds) -> list[Detection]:
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # steps without a data wait: all-NaN columns
         shares = rs.m["data_wait_s"] / rs.m["step_time_s"]
-        share = np.nanmedian(shares, axis=0, keepdims=True)
+        share = nanmedian(shares, axis=0, keepdims=True)
         most = np.nanpercentile(shares, 100 * (1 - t.run_wide_frac), axis=0, keepdims=True)
     present = ~np.isnan(share)
     if not _persistent(np.nan_to_num(most >= t.run_starved_share, nan=0).astype(bool), present,
@@ -559,7 +580,7 @@ def efficiency_figures(w: Window, run_index: int) -> dict[str, Any] | None:
     if rs is None:
         return None
     with np.errstate(all="ignore"):
-        per_step = (np.nanmedian(rs.m["step_time_s"], axis=0), np.nansum(rs.m["tokens"], axis=0),
+        per_step = (nanmedian(rs.m["step_time_s"], axis=0), np.nansum(rs.m["tokens"], axis=0),
                     np.nanmin(rs.m["ts"] - rs.m["step_time_s"], axis=0), np.nanmax(rs.m["ts"], axis=0))
     tps, mfu, goodput = efficiency_of(*(v[None, :] for v in per_step), np.array([w.now]), run.meta,
                                       run.world_size or len(rs.ranks))
