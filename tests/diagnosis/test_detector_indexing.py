@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -81,3 +82,43 @@ def test_ranks_sharing_one_environment_dict_drift_as_ranks_with_equal_copies() -
     a, b = _Envs(copies), _Envs(one)
     assert (a.count, a.nccl, [(r, i) for r, _, i in a.ranks]) == (b.count, b.nccl, [(r, i) for r, _, i in b.ranks])
     assert _drift(copies) == _drift(one) and 7 in _drift(one)
+
+
+def test_run_grids_built_once_per_window_are_the_grids_built_for_each_caller() -> None:
+    """run_steps keeps each run's grid layout and field matrices in the window for the next detector: what each caller
+    gets equals a grid scattered afresh, repeated (rank, step) rows included (a run restarted from a checkpoint), and
+    a caller writing into its matrices changes nobody else's."""
+    from types import SimpleNamespace
+
+    from dashboard.diagnosis.detectors.steps import _dense, run_steps
+
+    def fresh(t: dict[str, np.ndarray], run: int, cols: tuple[str, ...], last: int) -> Any:
+        rows = np.nonzero(t["run"] == run)[0]
+        if not len(rows):
+            return None
+        keep = rows[t["step"][rows] > np.nanmax(t["step"][rows]) - last - 1]
+        (ranks, r_at), (steps, s_at) = _dense(t["rank"][keep]), _dense(t["step"][keep])
+        m = {}
+        for c in ("step_time_s", "ts", *cols):
+            m[c] = np.full((len(ranks), len(steps)), np.nan)
+            m[c][r_at, s_at] = t[c][keep]
+        full = np.sum(~np.isnan(m["step_time_s"]), axis=0) >= max(1, 0.5 * len(ranks))
+        return (ranks, steps[full], {c: v[:, full] for c, v in m.items()}) if full.any() else None
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(0, 300))
+        t = {"run": rng.integers(0, 2, n).astype(float), "rank": rng.integers(0, 20, n).astype(float),
+             "step": rng.integers(0, 30, n).astype(float), "ts": rng.random(n), "x": rng.random(n),
+             "step_time_s": np.where(rng.random(n) < 0.2, np.nan, rng.random(n))}
+        w = SimpleNamespace(steps=t, grids={}, runs=["a", "b"])
+        for run, cols, last in [(0, ("x",), 5), (1, (), 8), (0, ("x",), 5), (0, (), 8), (1, ("x",), 8)]:
+            want, got = fresh(t, run, cols, last), run_steps(w, run, cols, last)  # type: ignore[arg-type]
+            assert (want is None) == (got is None)
+            if got is None:
+                continue
+            assert np.array_equal(got.ranks, want[0]) and np.array_equal(got.steps, want[1])
+            assert got.m.keys() == want[2].keys()
+            for c, mat in want[2].items():
+                assert np.array_equal(got.m[c], mat, equal_nan=True)
+            got.m["step_time_s"][:] = -1.0  # the next caller's grid is not this one

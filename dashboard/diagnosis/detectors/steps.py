@@ -67,21 +67,26 @@ def run_steps(w: Window, run_index: int, cols: tuple[str, ...], last: int) -> Ru
         grid = w.grids[key] = _grid(w, run_index, last)
     if grid is None:
         return None
-    keep, r_idx, s_idx, ranks, steps, full, mats = grid
+    rows, at, shape, ranks, steps, mats = grid
     m = {}
     for c in ("step_time_s", "ts", *cols):
         mat = mats.get(c)
         if mat is None:
-            mat = np.full((len(ranks), len(steps)), np.nan)
-            mat[r_idx, s_idx] = w.steps[c][keep]
-            mat = mats[c] = mat[:, full]
+            mat = mats[c] = _scatter(w.steps[c][rows], at, shape)
         m[c] = mat.copy()  # the caller's own: a detector may write into its matrices
-    return RunSteps(w.runs[run_index], ranks, steps[full], m)
+    return RunSteps(w.runs[run_index], ranks, steps, m)
+
+
+def _scatter(values: np.ndarray, at: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """A [rank x step] matrix with ``values`` at the flat positions ``at``, NaN elsewhere."""
+    mat = np.full(shape[0] * shape[1], np.nan)
+    mat[at] = values
+    return mat.reshape(shape)
 
 
 def _grid(w: Window, run_index: int, last: int) -> tuple[Any, ...] | None:
-    """(the step rows kept, their rank and step positions, the ranks, the steps, the steps most ranks reported, the
-    matrices built so far) of a run's last ``last`` steps; None when it has none."""
+    """(the step rows that go in the grid, their flat positions in it, its shape, its ranks, its steps, the matrices
+    built so far) of a run's last ``last`` steps; None when it has none."""
     t = w.steps
     rows = np.nonzero(t["run"] == run_index)[0]
     if len(rows) == 0:
@@ -91,15 +96,19 @@ def _grid(w: Window, run_index: int, last: int) -> tuple[Any, ...] | None:
     keep = rows[step > top - last - 1]
     ranks, r_idx = _dense(t["rank"][keep])
     steps, s_idx = _dense(t["step"][keep])
-    times = np.full((len(ranks), len(steps)), np.nan)
-    times[r_idx, s_idx] = t["step_time_s"][keep]
     # The newest step is often still arriving (one node's batch is in, another's is not): keep a column only when
-    # most ranks have it, so a half-reported step never decides anything.
+    # most ranks have it, so a half-reported step never decides anything. (Counted in the grid's cells: a run
+    # restarted from a checkpoint reports some steps twice, and the later row is the cell's.)
+    times = _scatter(t["step_time_s"][keep], r_idx * len(steps) + s_idx, (len(ranks), len(steps)))
     have = np.sum(~np.isnan(times), axis=0)
     full = have >= max(1, 0.5 * len(ranks))
     if not full.any():
         return None
-    return keep, r_idx, s_idx, ranks, steps, full, {"step_time_s": times[:, full]}
+    column = np.cumsum(full) - 1  # a kept step's column among the kept ones
+    inside = full[s_idx]
+    shape = (len(ranks), int(full.sum()))
+    at = r_idx[inside] * shape[1] + column[s_idx[inside]]
+    return keep[inside], at, shape, ranks, steps[full], {"step_time_s": times[:, full]}
 
 
 def _persistent(flags: np.ndarray, present: np.ndarray, recent: int, persist: int) -> np.ndarray:
