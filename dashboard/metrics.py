@@ -46,6 +46,9 @@ DIAGNOSIS_PART_SECONDS = Counter("clusterdx_diagnosis_pass_part_seconds", "Secon
 WRITE_TURN_SECONDS = Histogram("clusterdx_db_write_wait_seconds",
                                "Time a write transaction waited for its turn (the embedded SQLite backend's queue)",
                                buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+BACKGROUND_YIELD_SECONDS = Counter("clusterdx_background_yield_seconds",
+                                   "Seconds background tasks (probe index, efficiency) waited for a diagnosis pass in "
+                                   "their process (dashboard.turns)")
 ALERT_DELIVERIES = Counter("clusterdx_alert_deliveries", "Alert delivery attempts, by outcome", ["status"])
 
 

@@ -19,6 +19,7 @@ from dashboard.diagnosis.detectors.goodput import Goodput, fold
 from dashboard.diagnosis.models import RunEfficiency, StepEfficiency
 from dashboard.storage import step_samples
 from dashboard.telemetry.models import Event, Rank, Run
+from dashboard.turns import yield_to_urgent
 
 log = logging.getLogger(__name__)
 SETTLE_S = 2.0
@@ -35,6 +36,7 @@ def record(cluster_id: int, now: float) -> int:
     """Fold every active run of the cluster; returns the steps folded. Never raises into the pass."""
     n = 0
     for run in Run.objects.filter(cluster_id=cluster_id, last_step_at__gte=_dt(now - ACTIVE_RUN_S)):
+        yield_to_urgent()  # a pass in this process goes first (dashboard.turns)
         try:
             n += record_run(run, now)
         except Exception:  # the figures wait for the next pass; the findings must not

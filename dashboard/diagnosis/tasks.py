@@ -35,7 +35,7 @@ from django.conf import settings
 from django.core.cache import cache
 from django.db import connection
 
-from dashboard import metrics
+from dashboard import metrics, turns
 from dashboard.diagnosis import efficiency
 from dashboard.diagnosis.detectors import Detection, Thresholds, run_all
 from dashboard.diagnosis.lifecycle import Changes, reconcile
@@ -239,7 +239,8 @@ def diagnose() -> dict[str, float]:
     if not _passing.acquire(blocking=False):
         return {}
     try:
-        return _diagnose()
+        with turns.urgent():  # the probe index and the efficiency figures wait in this process meanwhile
+            return _diagnose()
     finally:
         _passing.release()
 

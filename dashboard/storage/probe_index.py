@@ -30,11 +30,13 @@ from django.db import connection, transaction
 from django.db.models import Max
 
 from dashboard.telemetry.models import ProbeFrame, ProbeInbound, ProbeIndexState
+from dashboard.turns import yield_to_urgent
 
 MINUTE = 60
 ID_MARGIN = 20_000  # frame ids below the last pass's newest read again (at 2,048 nodes, ~20 s of frames)
 CHUNK = 50_000  # frames read per statement
 WRITE = 2_000  # index rows written per statement
+TURN = 2_000  # frames read, or index rows merged, between two yields to a diagnosis pass (dashboard.turns)
 LOCK_KEY = 0x636478_5049  # "cdx" "PI": one pass at a time across workers (PostgreSQL advisory lock)
 
 
@@ -100,7 +102,9 @@ def _read(after: int, through: int) -> dict[Key, list[int]]:
     with connection.cursor() as cursor:
         cursor.execute(f"SELECT id, cluster_id, {_minute_sql()}, peers FROM {table} WHERE id > %s AND id <= %s",
                        [after, through])
-        for frame_id, cluster_id, minute, peers in cursor.fetchall():
+        for k, (frame_id, cluster_id, minute, peers) in enumerate(cursor.fetchall()):
+            if not k % TURN:
+                yield_to_urgent()
             for peer in peers.split():
                 out[(cluster_id, peer, minute)].append(frame_id)
     return out
@@ -126,7 +130,9 @@ def _merge(found: dict[Key, list[int]]) -> int:
                                                               peer__in=peers[i:i + 1000]).values_list("peer", "frames"):
                     have[(cluster_id, peer, minute)] = unpack(data)
         rows = []
-        for key, ids in found.items():
+        for k, (key, ids) in enumerate(found.items()):
+            if not k % TURN:
+                yield_to_urgent()  # inside the transaction: it writes nothing yet, and readers see the old rows
             merged = np.union1d(np.asarray(ids, dtype=np.int64), have.get(key, np.empty(0, dtype=np.int64)))
             if key in have and len(merged) == len(have[key]):
                 continue  # nothing new (a margin read again)
@@ -134,6 +140,7 @@ def _merge(found: dict[Key, list[int]]) -> int:
             rows.append(ProbeInbound(cluster_id=cluster_id, peer=peer, ts=_dt(minute * MINUTE), n=len(merged),
                                      frames=pack(merged)))
         for i in range(0, len(rows), WRITE):
+            yield_to_urgent()
             ProbeInbound.objects.bulk_create(rows[i:i + WRITE], update_conflicts=True,
                                              unique_fields=["cluster", "peer", "ts"], update_fields=["n", "frames"])
     return len(rows)

@@ -30,6 +30,7 @@ from django.db.models import Min, Q, QuerySet
 
 from dashboard.storage import frames as fr
 from dashboard.telemetry.models import Node, StepFrame
+from dashboard.turns import yield_to_urgent
 
 K = fr.STEPS
 # The wire's whole numbers (clusterdx.wire.Step): read back as ints, as their row columns were.
@@ -120,10 +121,12 @@ class Sel:
         qs = self.frames().order_by("step_hi").values_list("step_hi", *cols, "n", "layout", "data")
         for frame in qs.iterator(chunk_size=CHUNK):
             if len(batch) >= CHUNK and fr.step_bucket_start(frame[0]) != fr.step_bucket_start(batch[-1][0]):
+                yield_to_urgent()  # a worker's background read (the efficiency figures) lets a pass go first
                 yield self.keep(fr.decode(K, [f[1:] for f in batch], cols, objects))
                 batch = []
             batch.append(frame)
         if batch:
+            yield_to_urgent()
             yield self.keep(fr.decode(K, [f[1:] for f in batch], cols, objects))
 
 
