@@ -4,6 +4,7 @@ agent replays batches it spooled during an outage (old sample times, stored late
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -18,7 +19,7 @@ from dashboard.diagnosis import held, loader
 from dashboard.diagnosis.detectors.window import Table, Window
 from dashboard.ingest.writer import store_batch
 from dashboard.storage import frames as fr
-from dashboard.telemetry.models import Rank
+from dashboard.telemetry.models import Node, Rank
 from tests.server.conftest import World
 
 pytestmark = pytest.mark.django_db
@@ -219,6 +220,42 @@ def test_rank_metas_read_again_unchanged_are_not_decoded_again(world: World, mon
     held.forget()
     loader._rank_meta.clear()
     assert metas() == second, "a fresh read gives the same metas"
+
+
+def test_a_runs_ranks_are_the_same_object_while_unchanged_and_what_is_worked_out_of_them_follows_a_change(
+        world: World) -> None:
+    """The loader hands a run the same HeldRanks from pass to pass while none of its rank rows changed, so the
+    detectors' memo of it (window.of_ranks) lives on; a change (a rank moved to another node) gives a new object,
+    whose memo is worked out afresh, as a plain dict's always is. Read-only: a detector cannot write into it."""
+    from dashboard.diagnosis.detectors import _active_ranks
+    from dashboard.diagnosis.detectors.window import HeldRanks
+
+    scenario = parse({"cluster": {"nodes": 2, "gpus_per_node": 2, "run": "llm", "seed": 6}, "fault": []})
+    t0 = time.time() - 300
+    sim = SimCluster(scenario, t0)
+    held.forget()
+    _feed(world, sim, t0, range(1, 6))
+
+    def window() -> Window:
+        return loader.load_window(world.cluster, t0 + 5, beats=[])
+
+    w1 = window()
+    ranks = w1.runs[0].ranks
+    assert isinstance(ranks, HeldRanks) and len(ranks) == 4
+    with pytest.raises(TypeError):
+        ranks[9] = ranks[0]
+    on_host, gpus = _active_ranks(w1)
+    w2 = window()
+    assert w2.runs[0].ranks is ranks and _active_ranks(w2)[0] is on_host, "unchanged: the same ranks, the same memo"
+    moved = Rank.objects.get(run__cluster=world.cluster, rank=3)
+    other = Node.objects.exclude(id=moved.node_id).get(cluster=world.cluster)
+    Rank.objects.filter(id=moved.id).update(node=other, updated_at=timezone.now())
+    w3 = window()
+    assert w3.runs[0].ranks is not ranks and w3.runs[0].ranks[3].node == other.hostname
+    on_host3, gpus3 = _active_ranks(w3)
+    plain = dataclasses.replace(w3, runs=[dataclasses.replace(w3.runs[0], ranks=dict(w3.runs[0].ranks))])
+    assert (on_host3, gpus3) == _active_ranks(plain) != (on_host, gpus), "worked out afresh, as for a plain dict"
+    assert "llm/rank3" in on_host3[other.hostname]
 
 
 def _layout(mat: np.ndarray, by_sample: bool) -> np.ndarray:

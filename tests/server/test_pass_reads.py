@@ -69,3 +69,15 @@ def test_probe_peers_keep_their_names_from_pass_to_pass(client: Any, world: Worl
     fresh = load_window(world.cluster, now, beats=[])
     assert _peers(fresh) == want
     assert np.array_equal(np.sort(fresh.probes["ts"]), np.sort(second.probes["ts"]))
+
+
+@pytest.mark.parametrize("text", ['{"env": {"NCCL_IB_HCA": "mlx5_0"}, "rank": 3}', '{"a": 1e400, "b": -1e400}',
+                                  '{"a": 123456789012345678901234567890}', '{"s": "\\u00e9\\ud83d\\ude00", "n": null}',
+                                  '[1, 2.5, -0.0, true]', '"text"'])
+def test_a_json_column_reads_as_json_reads_it(text: str) -> None:
+    import json
+
+    from dashboard.diagnosis.loader import _json
+
+    assert repr(_json(text)) == repr(json.loads(text))
+    assert _json({"already": "decoded"}) == {"already": "decoded"}

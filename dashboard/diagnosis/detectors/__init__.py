@@ -19,7 +19,7 @@ from dashboard.diagnosis.detectors.nccl import nccl_config
 from dashboard.diagnosis.detectors.network import clocks_behind, cluster_silence, nodes_down, slow_links
 from dashboard.diagnosis.detectors.paths import covered_nodes, slow_paths
 from dashboard.diagnosis.detectors.steps import checkpoint_risk, efficiency, hang, late_ranks, memory_pressure
-from dashboard.diagnosis.detectors.window import Window
+from dashboard.diagnosis.detectors.window import RunInfo, Window, of_ranks
 
 KINDS = ("data_starvation", "straggler", "slow_link", "failing_gpu", "throttling", "node_down", "cluster_silent",
          "clock_skew", "rank_down", "hang", "nccl_config", "congestion",
@@ -32,14 +32,25 @@ def _active_ranks(w: Window) -> tuple[dict[str, list[str]], set[tuple[str, int]]
     """Ranks of runs that stepped in the last minutes: host -> ["run/rankN"], and the (host, GPU) they run on."""
     on_host: dict[str, list[str]] = {}
     gpus: set[tuple[str, int]] = set()
-    for run in w.runs:
-        if run.last_step_ts is None or w.now - run.last_step_ts > 600:
-            continue
-        for r, info in sorted(run.ranks.items()):
-            if info.node:
-                on_host.setdefault(info.node, []).append(f"{run.name}/rank{r}")
-                if info.gpu is not None:
-                    gpus.add((info.node, info.gpu))
+    active = [run for run in w.runs if run.last_step_ts is not None and w.now - run.last_step_ts <= 600]
+    if len(active) == 1:  # one run (the usual case): its own, kept with its ranks from pass to pass
+        return of_ranks(active[0].ranks, ("on_host", active[0].name), lambda: _ranks_on(active[0]))
+    for run in active:
+        run_on, run_gpus = of_ranks(run.ranks, ("on_host", run.name), lambda run=run: _ranks_on(run))
+        for host, labels in run_on.items():
+            on_host.setdefault(host, []).extend(labels)
+        gpus |= run_gpus
+    return on_host, gpus
+
+
+def _ranks_on(run: RunInfo) -> tuple[dict[str, list[str]], set[tuple[str, int]]]:
+    on_host: dict[str, list[str]] = {}
+    gpus: set[tuple[str, int]] = set()
+    for r, info in sorted(run.ranks.items()):
+        if info.node:
+            on_host.setdefault(info.node, []).append(f"{run.name}/rank{r}")
+            if info.gpu is not None:
+                gpus.add((info.node, info.gpu))
     return on_host, gpus
 
 
@@ -47,7 +58,9 @@ def _excused(w: Window, down: list[Detection], gpus: list[Detection]) -> dict[st
     """run -> the root cause that explains why it cannot step (so it is not reported hung as well)."""
     dead_nodes = {d.node: d.subject for d in down}
     dead_gpus = {(d.node, d.gpu_index): d.subject for d in gpus if d.severity == "critical"}
-    out = {}
+    out: dict[str, str] = {}
+    if not dead_nodes and not dead_gpus:  # nothing to look for among every rank of every run
+        return out
     for run in w.runs:
         for info in run.ranks.values():
             cause = dead_nodes.get(info.node) or dead_gpus.get((info.node, info.gpu))

@@ -23,7 +23,7 @@ import numpy as np
 
 from clusterdx import nccl_rules
 from dashboard.diagnosis.detectors.base import SEVERITY_RANK, Detection, Thresholds
-from dashboard.diagnosis.detectors.window import RankInfo, RunInfo, Window
+from dashboard.diagnosis.detectors.window import RankInfo, RunInfo, Window, of_ranks, run_nodes
 
 # Variables that legitimately differ per rank or only change logging.
 IGNORED = {"NCCL_DEBUG", "NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS", "NCCL_COMM_ID", "NCCL_HOSTID"}
@@ -40,13 +40,14 @@ class _Envs:
     rank, which was most of this detector's time at 2,048 nodes. Distinct environments are numbered in the order
     their first rank comes, so counts taken over them break ties as counts over the ranks do."""
 
-    __slots__ = ("count", "full", "nccl", "ranks")
+    __slots__ = ("_by_node", "count", "full", "nccl", "ranks")
 
     def __init__(self, run: RunInfo) -> None:
         self.ranks: list[tuple[int, RankInfo, int]] = []  # (rank, its info, its environment's index)
         self.nccl: list[dict[str, str]] = []  # _nccl_env of each distinct environment
         self.full: list[dict[str, str]] = []  # _all_nccl_env of each
         self.count: list[int] = []  # how many ranks have it
+        self._by_node: dict[str, int] | None = None
         seen: dict[Any, int] = {}
         shared: dict[int, int] = {}  # id of an environment dict -> its index: ranks sharing one (share_env)
         for r, info in run.ranks.items():
@@ -74,6 +75,22 @@ class _Envs:
             self.ranks.append((r, info, i))
 
 
+    @staticmethod
+    def of(run: RunInfo) -> _Envs:
+        """The run's, worked out once while its ranks are the loader's held ones (window.of_ranks)."""
+        return of_ranks(run.ranks, "envs", lambda: _Envs(run))
+
+    def by_node(self) -> dict[str, int]:
+        """node -> the environment of its first rank."""
+        if self._by_node is None:
+            by_node: dict[str, int] = {}
+            for _, i, e in self.ranks:
+                if i.node and i.node not in by_node:
+                    by_node[i.node] = e
+            self._by_node = by_node
+        return self._by_node
+
+
 def share_env(meta: dict[str, Any], pool: dict[Any, Any]) -> dict[str, Any]:
     """``meta`` (a rank's, decoded where it was read) with its "env" replaced by the equal one already in ``pool``
     (kept there if new). Ranks of one job share one environment; sharing one dict lets :class:`_Envs` take each
@@ -95,7 +112,7 @@ def share_env(meta: dict[str, Any], pool: dict[Any, Any]) -> dict[str, Any]:
 
 def _drift(run: RunInfo, envs: _Envs | None = None) -> dict[int, dict[str, tuple[str | None, str | None]]]:
     """rank -> {var: (its value, the majority's)} for ranks that differ from the majority."""
-    envs = envs or _Envs(run)
+    envs = envs or _Envs.of(run)
     total = len(envs.ranks)
     if total < 3:
         return {}
@@ -124,7 +141,7 @@ def _nccl_events(w: Window) -> list[dict[str, Any]]:
 
 
 def _run_nodes(w: Window) -> set[str]:
-    return {i.node for run in w.runs for i in run.ranks.values() if i.node}
+    return set().union(*(run_nodes(run) for run in w.runs))
 
 
 def _socket_facts(w: Window, envs: list[_Envs] | None = None) -> dict[str, list[str]]:
@@ -163,7 +180,7 @@ def _socket_facts(w: Window, envs: list[_Envs] | None = None) -> dict[str, list[
     for host, (ts, off) in gdr.items():
         if off and held(host, ts):
             facts.setdefault(host, []).append("GPUDirect RDMA is off (IB without GDRDMA)")
-    for run_envs in envs if envs is not None else map(_Envs, w.runs):
+    for run_envs in envs if envs is not None else map(_Envs.of, w.runs):
         said = [_env_facts(env) for env in run_envs.nccl]
         if not any(said):
             continue
@@ -185,7 +202,7 @@ def _env_facts(env: dict[str, str]) -> list[str]:
 
 def nccl_config(w: Window, t: Thresholds) -> list[Detection]:
     out: dict[str, Detection] = {}
-    envs = [_Envs(run) for run in w.runs]
+    envs = [_Envs.of(run) for run in w.runs]
     for host, facts in _socket_facts(w, envs).items():
         socket = any("socket" in f.lower() or "IB_DISABLE" in f or "no IB" in f for f in facts)
         out[host] = Detection(
@@ -345,22 +362,19 @@ def _audit_detections(w: Window, run: RunInfo, nodes: dict[str, _NodeFacts], t: 
                       envs: _Envs | None = None) -> list[Detection]:
     """The rule table on the run's common environment (one finding on the run) and, per node, the rules that depend
     on what the node has (its interfaces and HCAs; one finding on the node)."""
-    envs = envs or _Envs(run)
+    envs = envs or _Envs.of(run)
     if not envs.ranks:
         return []
     world = run.world_size or len(run.ranks)
     env = _majority_env(envs.full, envs.count)
-    roce = w.interconnect == "roce" or any(nodes[n].roce for n in {i.node for _, i, _ in envs.ranks} if n in nodes)
+    roce = w.interconnect == "roce" or any(nodes[n].roce for n in envs.by_node() if n in nodes)
     fabric = "eth" if w.interconnect == "eth" else ("roce" if roce else "ib")
     hits = nccl_rules.audit(env, interconnect=fabric, world_size=world, scale_ranks=t.ib_timeout_scale_ranks,
                             min_at_scale=t.ib_timeout_min)
     out = []
     if hits:
         out.append(_audit_detection("run", run.name, run, hits, node=None))
-    by_node: dict[str, int] = {}  # node -> the environment of its first rank
-    for _, i, e in envs.ranks:
-        if i.node and i.node not in by_node:
-            by_node[i.node] = e
+    by_node = envs.by_node()
     # Most nodes have the same environment and the same devices: the node rules are asked once per distinct case.
     asked: dict[tuple[int, frozenset[str], frozenset[str]], list[nccl_rules.Hit]] = {}
     selected: dict[tuple[str, tuple[str, ...]], list[str]] = {}

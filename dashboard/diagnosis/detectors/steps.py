@@ -18,7 +18,7 @@ from dashboard.diagnosis.detectors import ranks
 from dashboard.diagnosis.detectors.base import Detection, Thresholds, nanmedian, rnd, robust_z
 from dashboard.diagnosis.detectors.gpu import gpu_state
 from dashboard.diagnosis.detectors.network import arrival_slack
-from dashboard.diagnosis.detectors.window import RankInfo, RunInfo, Window
+from dashboard.diagnosis.detectors.window import RankInfo, RunInfo, Window, run_nodes
 
 _NO_RANK = RankInfo(None, None, {})
 
@@ -433,7 +433,7 @@ def hang(w: Window, t: Thresholds, alive_within_s: float, excused: dict[str, str
         watchdog = [e for e in w.events if e["run"] == run.name and _is_watchdog(e)]
         med = rs.step_med if rs is not None else float("nan")
         stalled = w.now - run.last_step_ts
-        nodes = {r.node for r in run.ranks.values() if r.node}
+        nodes = run_nodes(run)
         # Steps are judged by their sample times, the ranks' beats by when they arrived: behind a server that receives
         # late, a run steps on while its newest stored step ages. The run's last step is as fresh as its freshest
         # node's batches, so the least of its nodes' arrival delays is time it may not have stepped in yet.

@@ -10,11 +10,13 @@ everything a person reads.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 # Row layouts: numeric columns first (floats, NaN for null), then object columns (lists, dicts, strings).
 STEP_NUM = ("run", "rank", "step", "ts", "step_time_s", "data_wait_s", "compute_s", "comm_s", "comm_arrive_s",
@@ -92,6 +94,46 @@ class RankInfo:
     node: str | None
     gpu: int | None
     meta: dict[str, Any]
+
+
+class HeldRanks(dict[int, RankInfo]):
+    """A run's ranks as the loader hands them over: the same object from pass to pass while none of them changed
+    (:func:`dashboard.diagnosis.loader._ranks`), so what the detectors work out of a 16,384-rank run (the ranks on
+    each host, the distinct environments, the nodes it runs on) is worked out once and kept in ``memo``
+    (:func:`of_ranks`), not again at every pass. Read-only: a detector writing into it would change what the next
+    pass's memo says, so it fails loudly instead. A plain dict (a window built by hand) has no memo."""
+
+    __slots__ = ("memo",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.memo: dict[Hashable, Any] = {}
+
+    def _read_only(self, *_: Any, **__: Any) -> Any:
+        raise TypeError("a run's held ranks are read-only")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _read_only  # type: ignore
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return HeldRanks, (dict(self),)  # copied or pickled through the constructor, not item by item
+
+
+def of_ranks(ranks: dict[int, RankInfo], key: Hashable, compute: Callable[[], T]) -> T:
+    """``compute()``, a function of ``ranks`` (and of what ``key`` names) alone, kept for as long as ``ranks`` is the
+    loader's held object; worked out afresh for any other dict. Callers only read what it returns."""
+    memo = getattr(ranks, "memo", None)
+    if memo is None:
+        return compute()
+    try:
+        return memo[key]
+    except KeyError:
+        got = memo[key] = compute()
+        return got
+
+
+def run_nodes(run: RunInfo) -> frozenset[str]:
+    """The nodes the run's ranks run on (kept with its held ranks)."""
+    return of_ranks(run.ranks, "nodes", lambda: frozenset(i.node for i in run.ranks.values() if i.node))
 
 
 @dataclass
