@@ -23,6 +23,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from typing import Any
 
 import lz4.block
 import numpy as np
@@ -67,9 +68,20 @@ def _exclusive() -> Iterator[None]:
             cursor.execute("SELECT pg_advisory_unlock(%s)", [LOCK_KEY])
 
 
+# (database) -> (the seen id this process's last pass left, the ids it indexed within the margin below it)
+_indexed: dict[tuple[str, str], tuple[int, np.ndarray]] = {}
+LATE = 1_000  # margin ids read by id per statement
+
+
 def update() -> int:
     """One pass: every frame written since the last (and :func:`margin` ids below) into the index. Returns the
-    index rows written."""
+    index rows written.
+
+    The margin's frames this process indexed in its last pass are not read again: only the margin's ids are, and
+    the rows of the ids among them it has not indexed (those that committed late). Reading the whole margin every
+    pass was ~70 % of this pass's work at 2,048 nodes (20,000 frames again for ~7,700 new ones every 15 s), in a
+    worker whose every CPU second a diagnosis pass shares. Another process's pass, or a reset index, moves the seen
+    id past what this process knows, and the whole margin is read again (merging is a union: twice is harmless)."""
     with _exclusive():
         state, _ = ProbeIndexState.objects.get_or_create(pk=1)
         top = ProbeFrame.objects.aggregate(m=Max("id"))["m"]
@@ -77,11 +89,28 @@ def update() -> int:
             return 0
         written = 0
         start = max(0, state.seen_id - margin())
+        db = (connection.alias, str(connection.settings_dict["NAME"]))
+        last = _indexed.get(db)
+        read: list[np.ndarray] = []
+        if last is not None and last[0] == state.seen_id and start < state.seen_id:
+            in_margin = _ids(start, state.seen_id)
+            late = np.setdiff1d(in_margin, last[1])
+            for i in range(0, len(late), LATE):
+                found, ids = _read_ids(late[i:i + LATE])
+                written += _merge(found)
+                read.append(ids)
+            read.append(last[1][last[1] > start])
+            start = state.seen_id
         while start < top:
             end = min(start + CHUNK, top)
-            written += _merge(_read(start, end))
+            found, ids = _read(start, end)
+            written += _merge(found)
+            read.append(ids)
             start = end
+        seen = max(state.seen_id, top)
         ProbeIndexState.objects.filter(pk=1, seen_id__lt=top).update(seen_id=top)
+        done = np.concatenate(read) if read else np.empty(0, dtype=np.int64)
+        _indexed[db] = (seen, np.unique(done[done > seen - margin()]))
         return written
 
 
@@ -95,19 +124,38 @@ def _minute_sql() -> str:
     return f"CAST(strftime('%%s', substr(ts, 1, 19)) AS INTEGER) / {MINUTE}"  # %%: Django's cursor makes %s a parameter
 
 
-def _read(after: int, through: int) -> dict[Key, list[int]]:
-    """(cluster, peer, minute) -> the ids of the frames with ids in (after, through] holding probes to the peer."""
-    out: dict[Key, list[int]] = defaultdict(list)
+def _read(after: int, through: int) -> tuple[dict[Key, list[int]], np.ndarray]:
+    """(cluster, peer, minute) -> the ids of the frames with ids in (after, through] holding probes to the peer; and
+    the ids read."""
+    return _frames("id > %s AND id <= %s", [after, through])
+
+
+def _read_ids(ids: np.ndarray) -> tuple[dict[Key, list[int]], np.ndarray]:
+    """:func:`_read` of the frames with these ids."""
+    return _frames(f"id IN ({', '.join(['%s'] * len(ids))})", [int(i) for i in ids])
+
+
+def _ids(after: int, through: int) -> np.ndarray:
+    """The ids of the frames in (after, through], ascending."""
     table = connection.ops.quote_name(ProbeFrame._meta.db_table)
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT id, cluster_id, {_minute_sql()}, peers FROM {table} WHERE id > %s AND id <= %s",
-                       [after, through])
+        cursor.execute(f"SELECT id FROM {table} WHERE id > %s AND id <= %s", [after, through])
+        return np.sort(np.fromiter((r[0] for r in cursor.fetchall()), dtype=np.int64))
+
+
+def _frames(where: str, params: list[Any]) -> tuple[dict[Key, list[int]], np.ndarray]:
+    out: dict[Key, list[int]] = defaultdict(list)
+    ids: list[int] = []
+    table = connection.ops.quote_name(ProbeFrame._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT id, cluster_id, {_minute_sql()}, peers FROM {table} WHERE {where}", params)
         for k, (frame_id, cluster_id, minute, peers) in enumerate(cursor.fetchall()):
             if not k % TURN:
                 yield_to_urgent()
+            ids.append(frame_id)
             for peer in peers.split():
                 out[(cluster_id, peer, minute)].append(frame_id)
-    return out
+    return out, np.asarray(ids, dtype=np.int64)
 
 
 def margin() -> int:
