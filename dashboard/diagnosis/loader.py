@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -713,12 +714,14 @@ def _last_heard(w: Window, nodes_rows: list[tuple[Any, ...]], index: dict[str, i
             np.maximum.at(newest, table["node"].astype(int), table["ts"])
     if len(w.probes):
         np.maximum.at(newest, w.probes["node"].astype(int), w.probes["ts"])
-    for host, h in w.hosts.items():
-        newest[index[host]] = max(newest[index[host]], h["ts"])
+    if w.hosts:  # one ufunc call, not a numpy scalar compared per host (2,048 a pass)
+        np.maximum.at(newest, np.fromiter((index[h] for h in w.hosts), dtype=np.intp, count=len(w.hosts)),
+                      np.fromiter((h["ts"] for h in w.hosts.values()), dtype=float, count=len(w.hosts)))
+    heard_at = newest.tolist()
     out = {}
     for _, host, agent_id, last_seen in nodes_rows:
-        heard = float(newest[index[host]])
-        if not np.isfinite(heard):
+        heard = heard_at[index[host]]
+        if not math.isfinite(heard):
             # Nothing in the window: silent for at least the window. Only nodes with an agent are expected to
             # report; a training process posting directly ("hook-..." agent ids) sends steps, which name no node.
             if not agent_id or agent_id.startswith("hook-") or last_seen is None or \

@@ -177,7 +177,8 @@ def _merge(found: dict[Key, list[int]]) -> int:
                 for peer, data in ProbeInbound.objects.filter(cluster_id=cluster_id, ts=_dt(minute * MINUTE),
                                                               peer__in=peers[i:i + 1000]).values_list("peer", "frames"):
                     have[(cluster_id, peer, minute)] = unpack(data)
-        rows = []
+        rows: list[tuple[Any, ...]] = []
+        adapt = connection.ops.adapt_datetimefield_value
         for k, (key, ids) in enumerate(found.items()):
             if not k % TURN:
                 yield_to_urgent()  # inside the transaction: it writes nothing yet, and readers see the old rows
@@ -185,13 +186,23 @@ def _merge(found: dict[Key, list[int]]) -> int:
             if key in have and len(merged) == len(have[key]):
                 continue  # nothing new (a margin read again)
             cluster_id, peer, minute = key
-            rows.append(ProbeInbound(cluster_id=cluster_id, peer=peer, ts=_dt(minute * MINUTE), n=len(merged),
-                                     frames=pack(merged)))
+            rows.append((cluster_id, peer, adapt(_dt(minute * MINUTE)), len(merged), pack(merged)))
         for i in range(0, len(rows), WRITE):
             yield_to_urgent()
-            ProbeInbound.objects.bulk_create(rows[i:i + WRITE], update_conflicts=True,
-                                             unique_fields=["cluster", "peer", "ts"], update_fields=["n", "frames"])
+            _upsert(rows[i:i + WRITE])
     return len(rows)
+
+
+def _upsert(rows: list[tuple[Any, ...]]) -> None:
+    """(cluster id, peer, minute as the database takes it, n, frames) rows in one INSERT ... ON CONFLICT UPDATE. The
+    ORM's bulk_create prepared every field of every row in Python: two thirds of this pass at 2,048 nodes (every
+    peer's row of the minute, 2,048-4,096 a pass)."""
+    q = connection.ops.quote_name
+    sql = (f"INSERT INTO {q(ProbeInbound._meta.db_table)} (cluster_id, peer, ts, n, frames) VALUES "
+           f"{', '.join(['(%s, %s, %s, %s, %s)'] * len(rows))} "
+           "ON CONFLICT (cluster_id, peer, ts) DO UPDATE SET n = excluded.n, frames = excluded.frames")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [v for row in rows for v in row])
 
 
 def frames_to(cluster_id: int, host: str, t0: float, t1: float) -> tuple[np.ndarray, int]:
