@@ -122,3 +122,28 @@ def test_run_grids_built_once_per_window_are_the_grids_built_for_each_caller() -
             for c, mat in want[2].items():
                 assert np.array_equal(got.m[c], mat, equal_nan=True)
             got.m["step_time_s"][:] = -1.0  # the next caller's grid is not this one
+
+
+_PROBE = st.tuples(st.sampled_from([-1.0, 0.0, 1.0, 2.0, 3.0, float("nan")]),  # sender
+                   st.sampled_from([-1.0, 0.0, 1.0, 2.0, 3.0, float("nan")]),  # peer
+                   st.sampled_from([0.0, 1.0, 1.5, 2.0, 3.0, 4.0]),  # ts: ties common
+                   st.sampled_from([0.0, 1.0, 5.0, float("nan")]),  # sent
+                   st.sampled_from([0.0, 1.0, 2.0, 5.0, float("nan")]))  # lost
+
+
+@given(st.lists(_PROBE, max_size=40), st.dictionaries(st.integers(0, 3), st.sampled_from([-1.0, 0.5, 1.0, 2.0, 9.0]),
+                                                      max_size=4))
+def test_unreachable_of_every_silent_node_at_once_is_each_nodes(probes: list[tuple[float, ...]],
+                                                               heard: dict[int, float]) -> None:
+    """nodes_down asks about every node silent past its limit in one sort (unreachable_all): the same (lost, sent,
+    peers, rounds) as asking node by node (unreachable), with ties in time, unknown peers and senders, NaN counts."""
+    from dashboard.diagnosis.detectors.base import Thresholds
+    from dashboard.diagnosis.detectors.network import unreachable, unreachable_all
+    from dashboard.diagnosis.detectors.window import GPU_NUM, GPU_OBJ, PROBE_NUM, STEP_NUM, Table, Window
+
+    rows = [(*p, 0.1, float("nan")) for p in probes]
+    w = Window(now=10.0, nodes=["a", "b", "c", "d"], steps=Table.from_rows(STEP_NUM, (), []),
+               gpus=Table.from_rows(GPU_NUM, GPU_OBJ, []), ports=Table.from_rows(("node", "ts"), (), []),
+               probes=Table.from_rows(PROBE_NUM, (), rows), events=[], hosts={}, runs=[], last_heard={})
+    t = Thresholds()
+    assert unreachable_all(w, heard, t) == {i: unreachable(w, i, h, t) for i, h in heard.items()}

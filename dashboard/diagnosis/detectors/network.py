@@ -87,6 +87,46 @@ def unreachable(w: Window, i: int, heard: float, t: Thresholds,
             len(tail))
 
 
+def unreachable_all(w: Window, heard: dict[int, float], t: Thresholds) -> dict[int, tuple[int, int, int, int]]:
+    """:func:`unreachable` of every node ``i`` in ``heard`` (node -> when it was last heard) at once: one sort of
+    the probe rows to them by (node, time) and sums over groups, where asking node by node took a few numpy calls
+    each for the hundreds of nodes between two posts a pass asks about at 2,048 nodes (6 % of a pass)."""
+    out = dict.fromkeys(heard, (0, 0, 0, 0))
+    p = w.probes
+    if not heard or not len(p):
+        return out
+    peer = p["peer"]
+    n = len(w.nodes) + 1
+    since = np.full(n, np.inf)  # the nodes not asked about: no row is past +inf
+    since[np.fromiter(heard, dtype=np.intp, count=len(heard))] = np.fromiter(heard.values(), dtype=float,
+                                                                              count=len(heard))
+    ok = (peer >= 0) & (peer < n)
+    target = np.where(ok, peer, n - 1).astype(np.intp)
+    rows = np.flatnonzero(ok & (p["ts"] > since[target]) & (p["sent"] > 0))
+    if not len(rows):
+        return out
+    rows = rows[np.lexsort((p["ts"][rows], target[rows]))]  # stable: by node, then time, then window order
+    node = target[rows]
+    lost, sent = p["lost"][rows], p["sent"][rows]
+    starts = np.flatnonzero(np.r_[True, node[1:] != node[:-1]])
+    group = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(rows)]))
+    with np.errstate(invalid="ignore"):
+        reached = lost / sent < t.probe_loss_frac
+    pos = np.arange(len(rows))
+    last = np.maximum.reduceat(np.where(reached, pos, -1), starts)  # each node's last round that reached it
+    tail = pos > last[group]
+    k = len(starts)
+    lost_sum = np.bincount(group[tail], weights=np.nan_to_num(lost[tail]), minlength=k)
+    sent_sum = np.bincount(group[tail], weights=np.nan_to_num(sent[tail]), minlength=k)
+    count = np.bincount(group[tail], minlength=k)
+    # Distinct senders per node: (group, sender) as one integer (senders are node indexes, -1 unknown).
+    pairs = np.unique(group[tail] * (1 << 32) + np.nan_to_num(p["node"][rows][tail], nan=-1).astype(np.int64) + 1)
+    senders = np.bincount(pairs >> 32, minlength=k)
+    for g, i in enumerate(node[starts].tolist()):
+        out[i] = (int(lost_sum[g]), int(sent_sum[g]), int(senders[g]), int(count[g]))
+    return out
+
+
 def stranded(w: Window, ranks: list[str]) -> dict[str, int]:
     """run -> how many of its other ranks wait for ``ranks`` (["run/rankN"], a node's ranks): a collective needs
     every rank, so the rest of each run stalls in it until the node is back or the run's timeout kills it."""
@@ -107,16 +147,15 @@ def nodes_down(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) -> list
     out = []
     index = w.node_index()
     intervals = report_intervals(w)
-    to: Callable[[int], np.ndarray] | None = None
+    silent_past: list[tuple[str, float, int]] = []  # (host, heard, its index): silent past its limit
     for host, heard in w.last_heard.items():
-        silent = w.now - heard
         i = index.get(host, -1)
-        limit = max(t.silent_min_s, t.silent_intervals * intervals.get(i, 1.0))
-        if silent < limit:
-            continue
-        if to is None and i >= 0:
-            to = probes_to(w)
-        lost, sent, peers, rounds = unreachable(w, i, heard, t, to) if i >= 0 else (0, 0, 0, 0)
+        if w.now - heard >= max(t.silent_min_s, t.silent_intervals * intervals.get(i, 1.0)):
+            silent_past.append((host, heard, i))
+    probed = unreachable_all(w, {i: heard for _, heard, i in silent_past if i >= 0}, t)
+    for host, heard, i in silent_past:
+        silent = w.now - heard
+        lost, sent, peers, rounds = probed[i] if i >= 0 else (0, 0, 0, 0)
         rounds_lost = sent > 0 and rounds >= t.probe_lost_rounds
         late = arrival_slack(w, t, host)
         if not rounds_lost and silent < t.heartbeat_s + late:
