@@ -3,9 +3,10 @@
 Its tasks run in threads of one process, not in forked children: the diagnosis pass keeps its window in the process
 that ran it (:mod:`dashboard.diagnosis.held`) and a cluster belongs to that process (:func:`dashboard.diagnosis.tasks
 .due`), so a worker of N threads is one owner with one window, where N children were N windows, each read afresh
-when a tick came its way. The other tasks wait on the network or the database (alert deliveries, retention,
-rollups), which threads do as well as processes; one process's CPU bounds a worker's passes, and more clusters take
-more workers.
+when a tick came its way. Most other tasks wait on the network or the database (alert deliveries, retention,
+rollups), which threads do as well as processes; the two that compute (the probe index, the efficiency figures) let
+a pass go first (:mod:`dashboard.turns`): threads of one process share one GIL, and a pass beside one took twice as
+long. One process's CPU bounds a worker's passes, and more clusters take more workers.
 """
 
 from __future__ import annotations
