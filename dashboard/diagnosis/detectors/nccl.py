@@ -74,7 +74,6 @@ class _Envs:
             self.count[i] += 1
             self.ranks.append((r, info, i))
 
-
     @staticmethod
     def of(run: RunInfo) -> _Envs:
         """The run's, worked out once while its ranks are the loader's held ones (window.of_ranks)."""
