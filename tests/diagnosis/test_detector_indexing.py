@@ -136,14 +136,16 @@ _PROBE = st.tuples(st.sampled_from([-1.0, 0.0, 1.0, 2.0, 3.0, float("nan")]),  #
 def test_unreachable_of_every_silent_node_at_once_is_each_nodes(probes: list[tuple[float, ...]],
                                                                heard: dict[int, float]) -> None:
     """nodes_down asks about every node silent past its limit in one sort (unreachable_all): the same (lost, sent,
-    peers, rounds) as asking node by node (unreachable), with ties in time, unknown peers and senders, NaN counts."""
+    peers, rounds) as the definition node by node (test_node_cutoff.unreachable_one), with ties in time, unknown
+    peers and senders, NaN counts."""
     from dashboard.diagnosis.detectors.base import Thresholds
-    from dashboard.diagnosis.detectors.network import unreachable, unreachable_all
+    from dashboard.diagnosis.detectors.network import unreachable_all
     from dashboard.diagnosis.detectors.window import GPU_NUM, GPU_OBJ, PROBE_NUM, STEP_NUM, Table, Window
+    from tests.diagnosis.test_node_cutoff import unreachable_one
 
     rows = [(*p, 0.1, float("nan")) for p in probes]
     w = Window(now=10.0, nodes=["a", "b", "c", "d"], steps=Table.from_rows(STEP_NUM, (), []),
                gpus=Table.from_rows(GPU_NUM, GPU_OBJ, []), ports=Table.from_rows(("node", "ts"), (), []),
                probes=Table.from_rows(PROBE_NUM, (), rows), events=[], hosts={}, runs=[], last_heard={})
     t = Thresholds()
-    assert unreachable_all(w, heard, t) == {i: unreachable(w, i, h, t) for i, h in heard.items()}
+    assert unreachable_all(w, heard, t) == {i: unreachable_one(w, i, h, t) for i, h in heard.items()}

@@ -140,19 +140,34 @@ def test_at_4_s_posts_a_cut_node_is_named_down_within_seconds_and_nothing_else_a
         assert named[("node_down", "node-c")] <= 4.0, (phase, named)
 
 
-def test_the_probes_to_each_node_are_found_by_one_sort_as_by_a_pass_over_all() -> None:
-    """nodes_down asks for the probes to every node silent past ``silent_min_s`` (hundreds a pass at 2,048 nodes
-    posting every 4 s): through one sort of the window's probes they are the same rows, in the same order."""
-    from dashboard.diagnosis.detectors.network import probes_to, unreachable
+def unreachable_one(w: Any, i: int, heard: float, t: Thresholds) -> tuple[int, int, int, int]:
+    """The definition network.unreachable_all computes for many nodes at once, node by node and plainly: the
+    probe rows to node ``i`` since ``heard`` (with pings sent), in time order; those after the last round that
+    reached it; (lost, sent, distinct senders, rounds) of them."""
+    p = w.probes
+    rows = np.nonzero((p["peer"] == i) & (p["ts"] > heard) & (p["sent"] > 0))[0]
+    if not len(rows):
+        return 0, 0, 0, 0
+    rows = rows[np.argsort(p["ts"][rows], kind="stable")]
+    reached = np.nonzero(p["lost"][rows] / p["sent"][rows] < t.probe_loss_frac)[0]
+    tail = rows[reached[-1] + 1:] if len(reached) else rows
+    return (int(np.nansum(p["lost"][tail])), int(np.nansum(p["sent"][tail])), len(np.unique(p["node"][tail])),
+            len(tail))
+
+
+def test_the_probes_to_every_silent_node_are_found_by_one_sort_as_node_by_node() -> None:
+    """nodes_down asks about every node silent past ``silent_min_s`` (hundreds a pass at 2,048 nodes posting every
+    4 s) through one sort of the window's probes: the same rounds as the definition, node by node."""
+    from dashboard.diagnosis.detectors.network import unreachable_all
 
     lossy = {"node-a": {T0 + 12.0, T0 + 13.0}, "node-d": {T0 + 20.0}}
     for now in (CUT - 5.0, CUT + 2.0, CUT + 6.0):
         w = cluster(now, lossy=lossy).window(now)
-        to = probes_to(w)
-        for i in range(len(w.nodes) + 1):  # and a node no probe names
-            assert to(i).tolist() == np.nonzero(w.probes["peer"] == i)[0].tolist()
-            for heard in (T0, T0 + 11.5, CUT - 1.0, now):
-                assert unreachable(w, i, heard, Thresholds(), to) == unreachable(w, i, heard, Thresholds())
+        for heard in (T0, T0 + 11.5, CUT - 1.0, now):
+            asked = {i: heard for i in range(len(w.nodes) + 1)}  # and a node no probe names
+            assert unreachable_all(w, asked, Thresholds()) == {
+                i: unreachable_one(w, i, heard, Thresholds()) for i in asked}
         c = w.nodes.index("node-c")
-        assert all(len(to(i)) for i in range(len(w.nodes)))  # every node was probed
-        assert (unreachable(w, c, T0, Thresholds())[1] > 0) == (now > CUT), "the rounds that lose node-c, found"
+        assert all(np.any(w.probes["peer"] == i) for i in range(len(w.nodes)))  # every node was probed
+        assert (unreachable_all(w, {c: T0}, Thresholds())[c][1] > 0) == (now > CUT), \
+            "the rounds that lose node-c, found"

@@ -50,47 +50,18 @@ def quiet_nodes(w: Window) -> set[str]:
             if w.now - heard > 1.5 * max(intervals.get(index.get(h, -1), 1.0), w.post_interval.get(h, 0.0))}
 
 
-def probes_to(w: Window) -> Callable[[int], np.ndarray]:
-    """node -> the probe rows to it, in the window's order: one sort, then a search per node (:func:`nodes_down`
-    asks for every node silent past ``silent_min_s``; at 2,048 nodes posting every 4 s that is hundreds a pass, and
-    a pass over every probe row for each was a tenth of the detectors' time)."""
-    peer = w.probes["peer"]
-    order = np.argsort(peer, kind="stable")  # stable: each node's rows stay in the window's order
-    keys = peer[order]
-
-    def rows(i: int) -> np.ndarray:
-        return order[np.searchsorted(keys, i, "left"):np.searchsorted(keys, i, "right")]
-    return rows
-
-
-def unreachable(w: Window, i: int, heard: float, t: Thresholds,
-                to: Callable[[int], np.ndarray] | None = None) -> tuple[int, int, int, int]:
-    """(lost, sent, peers, rounds) of the peers' newest probe rounds to node ``i`` that each lost it (``probe_loss_frac``
-    of their pings): the rounds since ``heard`` after the last one that reached it. Not a sum over everything since
-    ``heard``: a round reports when it ends, seconds after its pings, so rounds that ended after the node's last
-    word often probed it before it went away; summed in, they dilute the loss of the rounds after them for as long
-    as the window holds them (the testbed's cut node took 15 s to name that way). A round that reached the node
-    after one that lost it says it is back, or that the loss was the prober's."""
-    p = w.probes
-    if to is None:
-        rows = np.nonzero((p["peer"] == i) & (p["ts"] > heard) & (p["sent"] > 0))[0]
-    else:
-        rows = to(i)
-        rows = rows[(p["ts"][rows] > heard) & (p["sent"][rows] > 0)]
-    if not len(rows):
-        return 0, 0, 0, 0
-    rows = rows[np.argsort(p["ts"][rows], kind="stable")]
-    lost, sent = p["lost"][rows], p["sent"][rows]
-    reached = np.nonzero(lost / sent < t.probe_loss_frac)[0]
-    tail = rows[reached[-1] + 1:] if len(reached) else rows
-    return (int(np.nansum(p["lost"][tail])), int(np.nansum(p["sent"][tail])), len(np.unique(p["node"][tail])),
-            len(tail))
-
-
 def unreachable_all(w: Window, heard: dict[int, float], t: Thresholds) -> dict[int, tuple[int, int, int, int]]:
-    """:func:`unreachable` of every node ``i`` in ``heard`` (node -> when it was last heard) at once: one sort of
-    the probe rows to them by (node, time) and sums over groups, where asking node by node took a few numpy calls
-    each for the hundreds of nodes between two posts a pass asks about at 2,048 nodes (6 % of a pass)."""
+    """node ``i`` -> (lost, sent, peers, rounds) of the peers' newest probe rounds to it that each lost it
+    (``probe_loss_frac`` of their pings), for every node in ``heard`` (node -> when it was last heard): the rounds
+    since it was heard after the last one that reached it. Not a sum over everything since then: a round reports when
+    it ends, seconds after its pings, so rounds that ended after the node's last word often probed it before it went
+    away; summed in, they dilute the loss of the rounds after them for as long as the window holds them (the
+    testbed's cut node took 15 s to name that way). A round that reached the node after one that lost it says it is
+    back, or that the loss was the prober's.
+
+    Every node at once, by one sort of the probe rows to them by (node, time) and sums over the groups: nodes_down
+    asks about hundreds of nodes a pass at 2,048 nodes posting every 4 s (those between two posts), and a few numpy
+    calls per node were 6 % of a pass."""
     out = dict.fromkeys(heard, (0, 0, 0, 0))
     p = w.probes
     if not heard or not len(p):
