@@ -121,12 +121,10 @@ class Sel:
         qs = self.frames().order_by("step_hi").values_list("step_hi", *cols, "n", "layout", "data")
         for frame in qs.iterator(chunk_size=CHUNK):
             if len(batch) >= CHUNK and fr.step_bucket_start(frame[0]) != fr.step_bucket_start(batch[-1][0]):
-                yield_to_urgent()  # a worker's background read (the efficiency figures) lets a pass go first
                 yield self.keep(fr.decode(K, [f[1:] for f in batch], cols, objects))
                 batch = []
             batch.append(frame)
         if batch:
-            yield_to_urgent()
             yield self.keep(fr.decode(K, [f[1:] for f in batch], cols, objects))
 
 
@@ -248,6 +246,7 @@ def per_key(sel: Sel, key: Of, values: Of, width: int, objects: Sequence[str] = 
     ``width`` value columns. A step's samples are summed by rank, then time."""
     parts = []
     for rows in sel.chunks(objects=objects):
+        yield_to_urgent()  # a worker's background aggregation (the efficiency figures) lets a pass go first
         order = np.lexsort((rows["ts"], rows["rank"], rows["step"]))
         parts.append(stats(key(rows)[order], values(rows)[order]))
     return merge(parts, width)
