@@ -552,7 +552,10 @@ def _ranks(cluster_id: int, run_ids: list[int]) -> dict[int, HeldRanks]:
         rows = cur.fetchall()
     metas: dict[int, tuple[float, Any, dict[str, Any]]] = {}
     changed = []
-    for rid, _, _, _, _, updated in rows:
+    by_run: dict[int, list[tuple[Any, ...]]] = {run_id: [] for run_id in run_ids}  # each run's rows, as read
+    for row in rows:
+        rid, run_id, updated = row[0], row[1], row[5]
+        by_run[run_id].append(row)
         was = held_meta.get(rid)
         if was is not None and was[0] == updated:
             metas[rid] = was
@@ -568,9 +571,6 @@ def _ranks(cluster_id: int, run_ids: list[int]) -> dict[int, HeldRanks]:
             metas[rid] = (updated, text, was[2] if was is not None and was[1] == text else
                           share_env(_json(text), _envs))
     _rank_meta[key] = metas
-    by_run: dict[int, list[tuple[Any, ...]]] = {run_id: [] for run_id in run_ids}
-    for row in rows:
-        by_run[row[1]].append(row)
     for k in [k for k in _held_ranks if k[:3] == key and k[3] not in by_run]:  # runs no longer active
         del _held_ranks[k]
     out = {}
