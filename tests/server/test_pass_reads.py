@@ -12,13 +12,14 @@ import pytest
 
 from dashboard.diagnosis import held
 from dashboard.diagnosis.loader import load_window
+from dashboard.live import publish
 from tests.server.conftest import World, make_batch, post
 
 pytestmark = pytest.mark.django_db
 
 
 def _send(client: Any, world: World, seq: int, host: str, ts: float, **extra: Any) -> None:
-    batch = make_batch(seq, host=host, steps=[], **extra)
+    batch = make_batch(seq, host=host, **{"steps": [], **extra})
     batch["sent_at"] = ts
     for g in batch["gpus"]:
         g["ts"] = ts
@@ -81,3 +82,41 @@ def test_a_json_column_reads_as_json_reads_it(text: str) -> None:
 
     assert repr(_json(text)) == repr(json.loads(text))
     assert _json({"already": "decoded"}) == {"already": "decoded"}
+
+
+def _run_of_four(client: Any, world: World, run: str, last_step: float, committed: Any) -> None:
+    """Ranks 0-3 of ``run``, one on each of node-0..node-3, stepping every 0.5 s until ``last_step``; each node's agent
+    and each rank's beat heard now, the ranks saying they are in a step. ``committed``: pytest-django's on-commit
+    capture (the live state is written after the commit, which a test's transaction never makes)."""
+    now = time.time()
+    with committed(execute=True):
+        for n in range(4):
+            steps = [{"run": run, "rank": n, "step": s, "ts": last_step - 0.5 * (19 - s), "step_time_s": 0.5,
+                      "data_wait_s": 0.01, "compute_s": 0.4, "comm_s": 0.09} for s in range(20)]
+            meta = {"run": run, "rank": n, "world_size": 4, "ts": last_step - 10, "host": f"node-{n}", "gpu_index": 0}
+            beat = {"run": run, "rank": n, "ts": now, "state": "step", "state_s": 1.0, "step": 19}
+            _send(client, world, 0 if run == "r" else 1, f"node-{n}", now, steps=steps, runs=[meta], beats=[beat])
+    publish.publisher.drain()  # the beats reach the live state after their group commits, on the publisher's thread
+
+
+def test_the_ranks_beats_are_read_only_for_a_run_that_stopped_stepping(client: Any, world: World,
+                                                                        django_capture_on_commit_callbacks: Any
+                                                                        ) -> None:
+    from dashboard.diagnosis.detectors import run_all
+    from dashboard.diagnosis.loader import Beats
+
+    now = time.time()
+    _run_of_four(client, world, "r", now - 0.2, django_capture_on_commit_callbacks)
+    w = load_window(world.cluster, now + 0.5)
+    assert isinstance(w.beats, Beats)
+    assert run_all(w) == [] and not w.beats.read  # every run steps: nobody asks where its ranks are
+    assert sorted((b["run"], b["rank"], b["state"]) for b in w.beats) == [("r", n, "step") for n in range(4)]
+    assert w.beats.read and len(w.beats) == 4
+
+    # A second run on the same nodes stopped 10 s ago, every rank alive and saying it is in a step: a hang of the
+    # run, named from its beats.
+    _run_of_four(client, world, "h", now - 10, django_capture_on_commit_callbacks)
+    w = load_window(world.cluster, now + 0.5)
+    found = run_all(w)
+    assert [d.key for d in found] == [("hang", "h")] and w.beats.read
+    assert found[0].evidence["metrics"]["beats"] == {"step": 4}

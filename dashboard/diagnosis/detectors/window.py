@@ -164,8 +164,8 @@ class Window:
     gpu_bus: dict[tuple[str, str], int] = field(default_factory=dict)  # (host, "bb:dd") -> GPU index
     span: dict[str, float] = field(default_factory=dict)  # series -> seconds of history this window holds
     # The latest beat of each rank (wire RankBeat fields + "host", the agent that forwarded it, and "received",
-    # server time): where each training process is now, from the live state.
-    beats: list[dict[str, Any]] = field(default_factory=list)
+    # server time): where each training process is now, from the live state (read when first asked: ``Beats``).
+    beats: Sequence[dict[str, Any]] = field(default_factory=list)
     # The NCCL events that are state of the active runs (the transport, network, fallback its ranks reported), over
     # the runs' lifetime rather than the event window: a socket fallback holds until the ranks report another one.
     nccl_state: list[dict[str, Any]] = field(default_factory=list)
