@@ -246,3 +246,36 @@ def test_a_stalled_clients_pending_events_and_findings_are_bounded() -> None:
     assert len(events) <= 2000 and events[-1]["message"] == "#5999"
     assert len(findings) <= 2000 and len({f["id"] for f in findings}) == len(findings)
     assert findings[-1] == {"id": 5999 % 2500, "state": "open", "updated_at": 5999.0}  # each finding's latest state
+
+
+def test_the_redis_live_state_writes_through_a_dropped_connection_and_a_refused_command(settings: Any) -> None:
+    """The live state packs a group's writes itself (``RedisState._send``): a connection Redis dropped (a restart) is
+    retried as the client retries its own commands, and a command Redis refuses fails the write, and only that one."""
+    import os
+    import uuid
+
+    import redis
+
+    from dashboard.live import state
+
+    if not settings.REDIS_URL:
+        pytest.skip("needs REDIS_URL: the Redis live state is tested in the suite's PostgreSQL + Redis pass")
+    live = state.RedisState(settings.REDIS_URL, f"cdxtest-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    admin = redis.Redis.from_url(settings.REDIS_URL)
+    try:
+        live.record_hosts(3, {"node-a": [["node-a", 0, 1.5, 40.0]]})
+        assert admin.client_kill_filter(_type="normal", skipme=True) >= 1  # every other client, the live state's too
+        live.record_hosts(3, {"node-a": [["node-a", 0, 2.5, 41.0]], "node-b": [["node-b", 1, 2.5, None]]})
+        live.record_beats(3, "node-b", beats("r", range(2)))
+        assert sorted(live.gpus(3)) == [["node-a", 0, 2.5, 41.0], ["node-b", 1, 2.5, None]]
+        assert set(live.heartbeats(3)) == {"node-a", "node-b"} and len(live.beats(3)) == 2
+
+        admin.set(live._key("hb", 4), "not a hash")  # the first of the two commands: the second's reply left unread
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            live.record_hosts(4, {"node-c": [["node-c", 0, 3.0, 1.0]]})
+        admin.delete(live._key("hb", 4))
+        live.record_hosts(4, {"node-c": [["node-c", 0, 3.5, 2.0]]})
+        assert live.gpus(4) == [["node-c", 0, 3.5, 2.0]] and list(live.heartbeats(4)) == ["node-c"]
+    finally:
+        live.clear()
+        admin.close()
