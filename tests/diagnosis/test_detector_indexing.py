@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dashboard.diagnosis.detectors.base import nanmedian
+from dashboard.diagnosis.detectors.base import SortedColumns, nanmedian
 from dashboard.diagnosis.detectors.paths import _by_group
 from dashboard.diagnosis.detectors.steps import _dense
 
@@ -43,6 +43,20 @@ def test_nanmedian_down_the_columns_is_numpys(x: np.ndarray, keepdims: bool) -> 
         got = nanmedian(x, axis=0, keepdims=keepdims)
     assert np.shape(got) == np.shape(want)
     assert np.array_equal(got, want, equal_nan=True)
+
+
+@given(hnp.arrays(float, hnp.array_shapes(min_dims=2, max_dims=2, min_side=0, max_side=12), elements=_CELLS),
+       st.sampled_from([25, 75, 10, 100 * (1 - 0.9), 50, 0, 100, 33.3]))
+def test_percentile_down_the_sorted_columns_is_numpys(x: np.ndarray, p: float) -> None:
+    """From the one sort: numpy's linear interpolation (from below under half way, from above past it), the last
+    value past the end, NaN for an all-NaN column, to the bit; and its median beside it."""
+    cols = SortedColumns(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        want = np.nanpercentile(x, p, axis=0) if x.shape[0] else np.full(x.shape[1], np.nan)
+        want_median = np.nanmedian(x, axis=0) if x.shape[0] else np.full(x.shape[1], np.nan)
+    assert np.array_equal(cols.percentile(p), want, equal_nan=True)
+    assert np.array_equal(cols.median(), want_median, equal_nan=True)
 
 
 def test_pairs_by_group_are_the_per_group_comparisons() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from dashboard.diagnosis.detectors import ranks
-from dashboard.diagnosis.detectors.base import Detection, Thresholds, nanmedian, rnd, robust_z
+from dashboard.diagnosis.detectors.base import Detection, SortedColumns, Thresholds, nanmedian, rnd, robust_z
 from dashboard.diagnosis.detectors.gpu import gpu_state
 from dashboard.diagnosis.detectors.network import arrival_slack
 from dashboard.diagnosis.detectors.window import RankInfo, RunInfo, Window, run_nodes
@@ -143,8 +143,9 @@ def _low_ref(x: np.ndarray, floor: float | np.ndarray) -> tuple[np.ndarray, np.n
     still the healthy majority's picture."""
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        ref = np.nanpercentile(x, 25, axis=0, keepdims=True)
-        low = np.where(x <= nanmedian(x, axis=0, keepdims=True), x, np.nan)
+        cols = SortedColumns(x)  # one sort for both
+        ref = cols.percentile(25)[np.newaxis, :]
+        low = np.where(x <= cols.median()[np.newaxis, :], x, np.nan)
         mad = nanmedian(np.abs(low - ref), axis=0, keepdims=True) * 1.4826
         scale = np.maximum(mad, floor)
         scale = np.where(scale > 0, scale, np.nan)
@@ -345,8 +346,9 @@ def _run_starved(w: Window, rs: RunSteps, t: Thresholds) -> list[Detection]:
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # steps without a data wait: all-NaN columns
         shares = rs.m["data_wait_s"] / rs.m["step_time_s"]
-        share = nanmedian(shares, axis=0, keepdims=True)
-        most = np.nanpercentile(shares, 100 * (1 - t.run_wide_frac), axis=0, keepdims=True)
+        cols = SortedColumns(shares)
+        share = cols.median()[np.newaxis, :]
+        most = cols.percentile(100 * (1 - t.run_wide_frac))[np.newaxis, :]
     present = ~np.isnan(share)
     if not _persistent(np.nan_to_num(most >= t.run_starved_share, nan=0).astype(bool), present,
                        t.recent_steps, t.persist_steps)[0]:
