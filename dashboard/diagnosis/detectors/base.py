@@ -174,11 +174,12 @@ def nanmedian(x: np.ndarray, axis: int | None = None, keepdims: bool = False) ->
     return med[np.newaxis, :] if keepdims else med
 
 
-def robust_z(x: np.ndarray, axis: int = 0, floor: float | np.ndarray = 0.0) -> tuple[np.ndarray, np.ndarray]:
+def robust_z(x: np.ndarray, axis: int = 0, floor: float | np.ndarray = 0.0,
+             cols: SortedColumns | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(z, median) along ``axis`` with the MAD scaled to a standard deviation and floored (a MAD of 0 when every
-    rank is identical would make any difference infinite)."""
+    rank is identical would make any difference infinite). ``cols``: ``x``'s columns already sorted (axis 0)."""
     with np.errstate(all="ignore"):
-        med = nanmedian(x, axis=axis, keepdims=True)
+        med = cols.median()[np.newaxis, :] if cols is not None else nanmedian(x, axis=axis, keepdims=True)
         mad = nanmedian(np.abs(x - med), axis=axis, keepdims=True) * 1.4826
         scale = np.maximum(mad, floor)
         scale = np.where(scale > 0, scale, np.nan)

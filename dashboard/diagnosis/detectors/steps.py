@@ -136,14 +136,15 @@ def late_ranks(w: Window, t: Thresholds, named: dict[str, set[int]] | None = Non
     return out
 
 
-def _low_ref(x: np.ndarray, floor: float | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _low_ref(x: np.ndarray, floor: float | np.ndarray, cols: SortedColumns | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
     """(z, reference) per step against the *lower* ranks: the 25th percentile as the centre and the spread of the
     ranks at or below the median. When a quarter to a half of the ranks are slow together (the ranks of one node, a
     shard of slow files) the median and MAD sit between the two groups and no one is an outlier; the lower half is
     still the healthy majority's picture."""
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        cols = SortedColumns(x)  # one sort for both
+        cols = cols or SortedColumns(x)  # one sort for both
         ref = cols.percentile(25)[np.newaxis, :]
         low = np.where(x <= cols.median()[np.newaxis, :], x, np.nan)
         mad = nanmedian(np.abs(low - ref), axis=0, keepdims=True) * 1.4826
@@ -162,17 +163,19 @@ def _late_in_run(w: Window, rs: RunSteps, t: Thresholds, skip: set[int] | None =
     arrive = np.where(np.isnan(m["comm_arrive_s"]), data + comp, m["comm_arrive_s"])
     present = ~np.isnan(m["step_time_s"])
     with np.errstate(all="ignore"):
+        # data and compute each sorted once, for the median and the lower ranks' reference both
+        dcols, ccols, comp_floor = SortedColumns(data), SortedColumns(comp), 0.01 * np.nanmedian(comp)
         lz, amed = robust_z(arrive, 0, floor=0.005 * med_step)
         late = (lz > t.z) & (arrive - amed > t.late_min_frac * med_step)
-        dz, dmed = robust_z(data, 0, floor=0.005 * med_step)
+        dz, dmed = robust_z(data, 0, floor=0.005 * med_step, cols=dcols)
         starved = (dz > t.z) & (data / m["step_time_s"] >= t.data_share_min) & (data >= t.data_min_s)
-        cz, cmed = robust_z(comp, 0, floor=0.01 * np.nanmedian(comp))
+        cz, cmed = robust_z(comp, 0, floor=comp_floor, cols=ccols)
         slow = (cz > t.z) & (comp >= t.compute_ratio_min * cmed) & (comp - cmed >= t.compute_min_s)
         # Several at once: against the lower ranks, with the same minimum sizes (and lateness in absolute terms).
-        dlz, dref = _low_ref(data, 0.005 * med_step)
+        dlz, dref = _low_ref(data, 0.005 * med_step, dcols)
         starved_low = (dlz > t.z) & (data / m["step_time_s"] >= t.data_share_min) & (data >= t.data_min_s) & \
             (data - dref > t.late_min_frac * med_step)
-        clz, cref = _low_ref(comp, 0.01 * np.nanmedian(comp))
+        clz, cref = _low_ref(comp, comp_floor, ccols)
         slow_low = (clz > t.z) & (comp >= t.compute_ratio_min * cref) & (comp - cref > t.late_min_frac * med_step) & \
             (comp - cref >= t.compute_min_s)
     flags = np.nan_to_num(late | starved | slow | starved_low | slow_low, nan=0).astype(bool) & present
