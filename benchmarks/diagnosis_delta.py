@@ -9,6 +9,7 @@ with an id at or above the first one stamped in them), so it reads them again as
     python benchmarks/diagnosis_delta.py 2048                     # then: 5 passes, each with 5 s of new rows
     python benchmarks/diagnosis_delta.py 2048 --check             # and compare the held window with a fresh read
     python benchmarks/diagnosis_delta.py 2048 --run-started       # passes in a run's first minute (below)
+    python benchmarks/diagnosis_delta.py 2048 --beats             # the ranks' beats in the live state too
 
 The backend and database are the environment's (``CLUSTERDX_DATA_DIR`` or ``DATABASE_URL``, as for the store).
 Times are this process's CPU (``time.process_time``): PostgreSQL's own work is not in them; the split between
@@ -47,6 +48,20 @@ def trim(delta_s: float, now: float) -> int:
         s.top = int(s.ids.max())
         s.holes = []
     return n
+
+
+def put_beats(cluster: Any) -> int:
+    """One beat per rank of the cluster's runs, heard now, "step": what 2,048 nodes' agents keep in the live state."""
+    from dashboard.live.state import get_state
+    from dashboard.telemetry.models import Rank
+
+    by_host: dict[str, list[dict[str, Any]]] = {}
+    for run, rank, host in Rank.objects.filter(run__cluster=cluster).values_list("run__name", "rank",
+                                                                                "node__hostname"):
+        by_host.setdefault(host or "", []).append({"run": run, "rank": rank, "ts": time.time(), "state": "step",
+                                                   "state_s": 0.5, "step": 0})
+    get_state().record_beats_hosts(cluster.id, by_host)
+    return sum(map(len, by_host.values()))
 
 
 class GcTime:
@@ -100,6 +115,10 @@ def main() -> int:
     p.add_argument("--run-started", action="store_true",
                    help="stamp every rank of the kept runs as just updated, as a run's first second does: each pass "
                         "is then within the minute in which the pass reads their metas again (loader._ranks)")
+    p.add_argument("--beats", action="store_true",
+                   help="put a beat for every rank of the kept runs in the live state (as their agents keep it, "
+                        "Redis where REDIS_URL is set) and let each pass read the live state as the worker's does; by "
+                        "default the passes are handed no beats")
     args = p.parse_args()
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
     import django
@@ -121,9 +140,13 @@ def main() -> int:
         print(f"{n} ranks stamped as just updated", flush=True)
     now = frames.newest(frames.GPUS, cluster_id=cluster.id)
     t = thresholds()
+    beats: list[dict[str, Any]] | None = []
+    if args.beats:
+        beats = None  # the loader reads the live state
+        print(f"{put_beats(cluster)} beats put in the live state", flush=True)
     held.forget()
     a = time.process_time()
-    detect(cluster, now, t, [])
+    detect(cluster, now, t, beats)
     print(f"first pass (whole window): {time.process_time() - a:.2f} s CPU", flush=True)
     collector = GcTime()
     load, total = [], []
@@ -134,7 +157,7 @@ def main() -> int:
         if prof:
             prof.enable()
         a = time.process_time()
-        _, wall = detect(cluster, now, t, [])
+        _, wall = detect(cluster, now, t, beats)
         cpu = time.process_time() - a
         if prof:
             prof.disable()
