@@ -144,7 +144,8 @@ def _low_ref(x: np.ndarray, floor: float | np.ndarray, cols: SortedColumns | Non
     still the healthy majority's picture."""
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        cols = cols or SortedColumns(x)  # one sort for both
+        if cols is None:  # one sort for both; the caller's when it sorted x already
+            cols = SortedColumns(x)
         ref = cols.percentile(25)[np.newaxis, :]
         low = np.where(x <= cols.median()[np.newaxis, :], x, np.nan)
         mad = nanmedian(np.abs(low - ref), axis=0, keepdims=True) * 1.4826
