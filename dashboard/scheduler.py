@@ -83,20 +83,25 @@ def _pin_worker() -> None:
 
 
 async def lifespan(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    from dashboard.ingest import listening
     from dashboard.live.publish import flush_forever
 
     tasks: list[asyncio.Task[None]] = []
+    beating = None
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
             _pin_worker()
             tasks.append(asyncio.create_task(flush_forever()))  # every web worker merges its live updates
+            beating = listening.keep_beating()  # ... and says it listens (a silence counts from then)
             if not settings.REDIS_URL:
                 from dashboard.celery import SCHEDULE
 
                 tasks.append(asyncio.create_task(run_schedule(SCHEDULE)))
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
+            if beating is not None:
+                beating.set()
             for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -200,9 +200,11 @@ def _since(cluster_id: int, now: float, span: float) -> tuple[str, list[Any]]:
     return "cluster_id = %s AND ts >= %s", [cluster_id, connection.ops.adapt_datetimefield_value(_dt(now - span))]
 
 
-def load_window(cluster: m.Cluster, now: float, beats: list[dict[str, Any]] | None = None) -> Window:
+def load_window(cluster: m.Cluster, now: float, beats: list[dict[str, Any]] | None = None,
+                listening_since: float | None = None) -> Window:
     """``beats``: the ranks' latest beats when the caller has them (the pass's own process cannot see the embedded
-    server's in-memory live state); by default read from the live state."""
+    server's in-memory live state); by default read from the live state. ``listening_since``: when this server's
+    ingest began listening without a break (:mod:`dashboard.ingest.listening`); None: as far as it knows, always."""
     held.scope(cluster.id, cluster.created_at)
     # Raw, with last_seen in epoch seconds: the ORM parsed 2,048 timestamps into datetimes a pass (~3 % of it).
     nodes_rows = _rows(m.Node, ["id", "hostname", "agent_id", _epoch("last_seen")], "cluster_id = %s", [cluster.id])
@@ -224,6 +226,8 @@ def load_window(cluster: m.Cluster, now: float, beats: list[dict[str, Any]] | No
     w.beats = Beats(lambda: get_state().beats(cluster.id)) if beats is None else beats
     w.nccl_state = _nccl_state(cluster.id, runs)
     w.losses = losses
+    if listening_since is not None:
+        w.listening_since = listening_since
     w.places, w.fabric = _places(cluster), interconnect.effective(cluster)
     return w
 

@@ -64,15 +64,15 @@ def exit_with_parent(parent: int) -> None:
     os._exit(0)
 
 
-def _child_detect(cluster_id: int, now: float, t: Thresholds,
-                  beats: list[dict[str, Any]]) -> tuple[list[Detection], dict[str, float], int]:
+def _child_detect(cluster_id: int, now: float, t: Thresholds, beats: list[dict[str, Any]],
+                  listening_since: float | None = None) -> tuple[list[Detection], dict[str, float], int]:
     from django.db import close_old_connections
 
     from dashboard.diagnosis.tasks import detect
     from dashboard.telemetry.models import Cluster
 
     close_old_connections()  # a connection the database dropped (a restart) is replaced, not reused
-    detections, timings = detect(Cluster.objects.get(id=cluster_id), now, t, beats)
+    detections, timings = detect(Cluster.objects.get(id=cluster_id), now, t, beats, listening_since)
     return detections, timings, os.getpid()
 
 
@@ -141,6 +141,7 @@ async def diagnose() -> dict[str, float]:
     cluster, with the same result (cluster name -> seconds)."""
     from dashboard.diagnosis.lifecycle import reconcile
     from dashboard.diagnosis.tasks import active_clusters, due, observe_parts, paced, thresholds
+    from dashboard.ingest import listening
     from dashboard.live.state import get_state
     from dashboard.scheduler import in_jobs_thread
 
@@ -156,8 +157,9 @@ async def diagnose() -> dict[str, float]:
         t0 = time.perf_counter()
         cpu: float | None = None
         try:
+            # This process's beats and listening (the child sees neither: both live in this process's memory).
             detections, parts, _ = await loop.run_in_executor(executor, _child_detect, cluster.id, now, t,
-                                                              get_state().beats(cluster.id))
+                                                              get_state().beats(cluster.id), listening.since(now))
             t1 = time.perf_counter()
             cpu = parts.pop("cpu", None)  # the child's: what the pace budgets (tasks.due)
             await in_jobs_thread(reconcile)(cluster, detections, datetime.fromtimestamp(now, tz=UTC))

@@ -40,6 +40,7 @@ from dashboard.diagnosis import efficiency
 from dashboard.diagnosis.detectors import Detection, Thresholds, run_all
 from dashboard.diagnosis.lifecycle import Changes, reconcile
 from dashboard.diagnosis.loader import load_window
+from dashboard.ingest import listening
 from dashboard.telemetry.models import Cluster
 
 log = logging.getLogger(__name__)
@@ -93,14 +94,14 @@ def _no_gc() -> Iterator[None]:
         gc.enable()
 
 
-def detect(cluster: Cluster, now: float, t: Thresholds | None = None,
-           beats: list[dict[str, Any]] | None = None) -> tuple[list[Detection], dict[str, float]]:
+def detect(cluster: Cluster, now: float, t: Thresholds | None = None, beats: list[dict[str, Any]] | None = None,
+           listening_since: float | None = None) -> tuple[list[Detection], dict[str, float]]:
     """The read-only half of a pass (the window, the detectors): what the embedded default runs in a process of its
     own (:mod:`dashboard.diagnosis.offload`). Returns the detections and the seconds each part took, and the CPU
     seconds of the two together ("cpu", this thread's: what the pace budgets)."""
     with _no_gc():
         t0, cpu0 = time.perf_counter(), time.thread_time()
-        window = load_window(cluster, now, beats)
+        window = load_window(cluster, now, beats, listening_since)
         t1 = time.perf_counter()
         detections = run_all(window, t or thresholds())
         # Freed before the collector is back: its first collection (at the next allocation) walked every container
@@ -116,7 +117,7 @@ def run_pass(cluster: Cluster, now: float | None = None, t: Thresholds | None = 
         if not got:
             result.skipped = True
             return result
-        result.detections, result.timings_s = detect(cluster, now, t)
+        result.detections, result.timings_s = detect(cluster, now, t, listening_since=listening.since(now))
         result.cpu_s = result.timings_s.pop("cpu")
         t2 = time.perf_counter()
         result.changes = reconcile(cluster, result.detections, datetime.fromtimestamp(now, tz=UTC))

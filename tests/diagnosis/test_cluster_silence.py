@@ -7,7 +7,7 @@ still queued, stored later) or when it is cut off from all of them."""
 
 from __future__ import annotations
 
-from dashboard.diagnosis.detectors import Thresholds, run_all
+from dashboard.diagnosis.detectors import Detection, Thresholds, run_all
 from dashboard.diagnosis.detectors.buffer import WindowBuffer
 from tests.diagnosis.test_node_cutoff import CUT, T0, cluster
 
@@ -50,3 +50,58 @@ def test_a_lone_nodes_silence_is_that_nodes() -> None:
         buf.add({"host": "solo", "sent_at": T0 + s, "hosts": [{"ts": T0 + s, "cpu_pct": 40.0}]})
     found = run_all(buf.window(T0 + 19 + Thresholds().heartbeat_s + 1))
     assert [d.key for d in found] == [("node_down", "solo")]
+
+
+# -- a server restarted after minutes down (dashboard.ingest.listening) ------------------------------------------------
+# Nothing could be heard while this server was down: its first passes come before the agents' next posts, and a
+# silence counts from the later of a node's newest word and the start of the server's listening.
+UNTIL = T0 + 25.0  # the cluster's last words before the server went down
+RESTART = UNTIL + 420.0  # seven minutes later it listens again
+
+
+def keys(found: list[Detection]) -> list[tuple[str, str]]:
+    return [d.key for d in found]
+
+
+def test_a_restarted_server_names_the_clusters_silence_only_once_it_has_listened_a_heartbeat() -> None:
+    buf = cluster(UNTIL, cut=None, last_post=UNTIL + 100)
+    heartbeat = Thresholds().heartbeat_s
+    first = buf.window(RESTART + 2.0)
+    assert keys(run_all(first)) == [("cluster_silent", "cluster")]  # what the first pass said when silence was all
+    for after in (2.0, 8.0, heartbeat - 0.5):
+        w = buf.window(RESTART + after)
+        w.listening_since = RESTART
+        assert keys(run_all(w)) == [], after  # the nodes' batches may be on their way: nothing yet, not a node either
+    w = buf.window(RESTART + heartbeat + 1.0)
+    w.listening_since = RESTART
+    found = run_all(w)
+    assert keys(found) == [("cluster_silent", "cluster")], [(d.key, d.title) for d in found]
+    d = found[0]
+    assert f"no node of the cluster heard for {420 + heartbeat + 1:.0f} s (all 4 nodes)" in d.title
+    assert f"(this server has listened for {heartbeat + 1:.0f} s of it)" in d.title
+    assert d.evidence["metrics"]["listened_s"] == heartbeat + 1 and d.evidence["metrics"]["last_heard"] == UNTIL
+
+
+def test_a_server_listening_all_along_names_the_silence_as_before() -> None:
+    w = cluster(UNTIL, cut=None, last_post=UNTIL + 100).window(UNTIL + 20.0)
+    w.listening_since = UNTIL - 3600.0
+    found = run_all(w)
+    assert keys(found) == [("cluster_silent", "cluster")] and "listened" not in found[0].title
+
+
+def test_after_a_restart_a_node_whose_batches_have_not_come_is_down_only_once_the_server_listened_a_heartbeat() -> None:
+    buf = cluster(UNTIL, cut=None, last_post=UNTIL + 100)
+    heartbeat = Thresholds().heartbeat_s
+    named: list[tuple[float, list[tuple[str, str]]]] = []
+    before: list[tuple[float, list[tuple[str, str]]]] = []
+    for s in range(1, int(heartbeat) + 4):  # three nodes post again each second; node-c does not
+        for host in ("node-a", "node-b", "node-d"):
+            buf.add({"host": host, "sent_at": RESTART + s, "hosts": [{"ts": RESTART + s, "cpu_pct": 40.0}]})
+        w = buf.window(RESTART + s + 0.5)
+        before.append((s + 0.5, keys(run_all(w))))
+        w.listening_since = RESTART
+        named.append((s + 0.5, keys(run_all(w))))
+    # Measured from its last word alone, node-c was down at the first pass after the restart.
+    assert before[0] == (1.5, [("node_down", "node-c")]), before[0]
+    assert [at for at, found in named if found] == [at for at, _ in named if at >= heartbeat], named
+    assert all(found == [("node_down", "node-c")] for _, found in named if found), named

@@ -19,12 +19,16 @@ from django.conf import settings
 @pytest.fixture(autouse=True)
 def _fresh_caches() -> Iterator[None]:
     """The ingest writer caches ids and the live state keeps the latest samples; tests roll the DB back under them."""
+    from django.core.cache import cache
+
+    from dashboard.ingest import listening
     from dashboard.ingest.writer import clear_caches
     from dashboard.live import publish, state
     from dashboard.telemetry import interconnect, tokens
 
     publish.publisher.drain()  # the previous test's committed groups reach the live layer before it is cleared
     clear_caches()
+    cache.delete(listening.KEY)  # a previous test's server listened; this test's has not yet
     tokens.clear_cache()
     interconnect.clear_cache()
     publish.coalescer.take()  # live deltas left over from the previous test
@@ -112,8 +116,11 @@ class AsgiServer:
             s.bind((host, 0))
             self.port = int(s.getsockname()[1])
         self.url = f"http://{host}:{self.port}"
+        # timeout_graceful_shutdown: a socket a test left open (a client that never answers the close) held uvicorn's
+        # shutdown until stop() gave up after 10 s, and the server's lifespan shutdown never ran: its beat went on
+        # saying it listened (dashboard.ingest.listening), into the next tests, and its scheduler with it.
         config = uvicorn.Config("dashboard.asgi:application", host=host, port=self.port, lifespan="on",
-                                log_level="warning", ws="websockets-sansio")
+                                log_level="warning", ws="websockets-sansio", timeout_graceful_shutdown=3)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -144,6 +151,18 @@ def asgi_server(transactional_db: None) -> Iterator[AsgiServer]:
         yield server
     finally:
         server.stop()
+
+
+def listened_for(seconds: float) -> None:
+    """This test's server as if it had listened ``seconds`` already (dashboard.ingest.listening): for a test whose
+    data is stamped before its server started, and whose pass must judge the nodes' silence by it alone. The server's
+    next beats keep the stretch."""
+    from django.core.cache import cache
+
+    from dashboard.ingest import listening
+
+    now = time.time()
+    cache.set(listening.KEY, (now - seconds, now), timeout=None)
 
 
 def session_cookie(client: Any, user: Any) -> str:

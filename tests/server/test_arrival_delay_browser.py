@@ -12,7 +12,7 @@ import pytest
 from dashboard.diagnosis.models import Finding
 from dashboard.diagnosis.tasks import run_pass
 from tests.server import browser
-from tests.server.conftest import AsgiServer, World
+from tests.server.conftest import AsgiServer, World, listened_for
 from tests.server.test_arrival_delay import late_server, skewed_node
 from tests.server.test_page_finding_browser import server  # noqa: F401 - the fixture: the real server, no own pass
 
@@ -27,6 +27,7 @@ def test_the_finding_page_draws_the_heartbeat_plus_the_arrival_delay(
     def work() -> None:
         now = time.time()
         late_server(world, now)  # every node's batches arrive 12 s late; node-001's stopped 40 s ago (> 15 s + 12 s)
+        listened_for(600)  # ... while the server listened (it started a moment ago, the data's times are older)
         run_pass(world.cluster, now)
 
     browser.elsewhere(work)

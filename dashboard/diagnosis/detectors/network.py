@@ -129,7 +129,9 @@ def nodes_down(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) -> list
         lost, sent, peers, rounds = probed[i] if i >= 0 else (0, 0, 0, 0)
         rounds_lost = sent > 0 and rounds >= t.probe_lost_rounds
         late = arrival_slack(w, t, host)
-        if not rounds_lost and silent < t.heartbeat_s + late:
+        # Silence alone counts from when this server began listening (``cluster_silence`` says why): after a restart
+        # a node whose batches have not come yet is not down. Its peers losing it is evidence at once.
+        if not rounds_lost and w.now - max(heard, w.listening_since) < t.heartbeat_s + late:
             continue
         ranks = ranks_on.get(host, [])
         waiting = stranded(w, ranks)
@@ -241,7 +243,11 @@ def cluster_silence(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) ->
     limit = min(max(t.silent_min_s, t.silent_intervals * intervals.get(index.get(h, -1), 1.0)) for h in heard)
     if silent < limit:
         return None, None
-    if silent < t.heartbeat_s:
+    # Silent while this server listened: a server restarted after minutes down has heard nothing yet, and its first
+    # pass came before the agents' next posts. Until it has listened a heartbeat the rest waits too (the caller
+    # judges it as of the freshest word, where no node is past its limit).
+    listened = w.now - max(freshest, w.listening_since)
+    if listened < t.heartbeat_s:
         return freshest, None
     ranks = sorted(r for h in heard for r in ranks_on.get(h, []))
     # How many nodes were still heard at each second before the silence: a cliff (all at once) points at this
@@ -268,12 +274,15 @@ def cluster_silence(w: Window, t: Thresholds, ranks_on: dict[str, list[str]]) ->
                   "log, and the network between the nodes and it (the agents' logs say whether their posts fail). If "
                   "they are down together, look for what they share: power, the management network, the scheduler "
                   "draining them.")
+    if listened < silent:
+        title += f" (this server has listened for {listened:.0f} s of it)"
     if ranks:
         title += f"; {len(ranks)} rank(s) of running jobs with them"
     return freshest, Detection(
         "cluster_silent", "cluster", "cluster", "critical" if ranks else "error", title, action,
         {"metrics": {"silent_s": rnd(silent, 1), "last_heard": rnd(freshest), "nodes": len(heard),
-                     "earliest_heard_ts": rnd(float(ages[0])), "ranks": ranks[:64], "ingest_lag_s": rnd(lag, 1)},
+                     "earliest_heard_ts": rnd(float(ages[0])), "ranks": ranks[:64], "ingest_lag_s": rnd(lag, 1),
+                     "listened_s": rnd(listened, 1)},
          "series": {"heard": {"t": [rnd(float(x)) for x in ticks], "nodes": [int(n) for n in still]}},
          "window": [rnd(freshest), rnd(w.now)]},
         0.9)

@@ -187,6 +187,9 @@ class Window:
     # host -> seconds between its two newest batches' sent_at, where both are known: the agent posts several seconds
     # of samples at once when the server asks it to (4 s at 2,048 nodes), and is not quiet between two posts.
     post_interval: dict[str, float] = field(default_factory=dict)
+    # When this server's current stretch of listening for the agents began (dashboard.ingest.listening): nothing
+    # could be heard before it, so a silence counts from the later of a node's newest word and this. -inf: always.
+    listening_since: float = float("-inf")
     # The runs' [rank x step] grids, built once for the detectors that ask (steps.run_steps): not part of the data.
     grids: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
