@@ -39,6 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # a benchmark imports this module by its folder
+    sys.path.insert(0, str(REPO))
+from tests import network_lock  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 PREFIX = "cdxt"  # + owner pid + node letter; interface names stay under IFNAMSIZ (15)
 NODES = "abcdefghijklmnopqrstuvwxyz"  # node letters, in order
@@ -103,20 +107,19 @@ def _kill_namespace(ns: str) -> None:
 
 def remove_stale() -> list[str]:
     """Namespaces and links of testbeds whose owning process is gone (a crashed or killed test run)."""
-    removed = []
     namespaces = [line.split()[0] for line in run("ip", "netns", "list", check=False).stdout.splitlines() if line]
     links = [line.split(":")[1].strip().split("@")[0]
              for line in run("ip", "-o", "link", "show", check=False).stdout.splitlines() if line.count(":") >= 2]
-    for name in namespaces + links:
-        match = _NAME.match(name)
-        if not match or _alive(int(match.group(1))):
-            continue
-        if name in namespaces:
-            _kill_namespace(name)
-        else:
-            run("ip", "link", "del", name, check=False)
-        removed.append(name)
-    return removed
+    stale = [name for name in namespaces + links if (m := _NAME.match(name)) and not _alive(int(m.group(1)))]
+    if not stale:
+        return []
+    with network_lock.changing():
+        for name in stale:
+            if name in namespaces:
+                _kill_namespace(name)
+            else:
+                run("ip", "link", "del", name, check=False)
+    return stale
 
 
 def _bits(rate: str) -> int:
@@ -199,6 +202,10 @@ class Testbed:
         """``link_rate``: every node's link is shaped to this (both ways). Unshaped, a veth moves whatever the CPU
         can copy, so on a busy two-core machine a bulk probe measures the scheduler, not the link; shaped, the link
         is the bottleneck, as on a real cluster, and a fault is a change of one node's rate."""
+        with network_lock.changing():  # the host's namespace gains the bridge's address (and loses it at close)
+            self._build(link_rate)
+
+    def _build(self, link_rate: str | None) -> None:
         self.subnet = _free_subnet(os.getpid())
         self._bridge(self.bridge, self.bridge_addr)
         racks = [self.bridge] if self.racks == 1 else [self._bridge(f"{self.tag}r{r}") for r in (1, 2)]
@@ -243,6 +250,10 @@ class Testbed:
 
     def close(self) -> None:
         """Every process, then every namespace (their veths, qdiscs and iptables rules go with them), then links."""
+        with network_lock.changing():
+            self._close()
+
+    def _close(self) -> None:
         for proc in self.procs:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()  # SIGKILL also ends a SIGSTOPped process

@@ -24,9 +24,12 @@ def launch_page(monkeypatch: pytest.MonkeyPatch, width: int = 1400, height: int 
         service_missing(f"no chromium at {CHROMIUM} (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
 
+    from tests import network_lock
+
     # Playwright's sync API keeps an event loop on this thread; the test's own ORM calls are still plain sync code.
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    with sync_playwright() as pw:
+    # No testbed changes the host's addresses while the browser runs: Chromium would fail its pending requests.
+    with network_lock.browsing(), sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
         try:
             # The pages' Content-Security-Policy forbids eval, which Playwright's wait_for_function uses: the shared
@@ -35,6 +38,13 @@ def launch_page(monkeypatch: pytest.MonkeyPatch, width: int = 1400, height: int 
             errors: list[str] = []
             page.on("pageerror", lambda exc: errors.append(str(exc)))
             page.js_errors = errors  # type: ignore[attr-defined]
+            # What a page that never draws leaves behind: a module whose fetch failed stops the script silently (no
+            # pageerror), so the failed requests, error answers and console errors are kept for :func:`wait_for`.
+            trouble: list[str] = []
+            page.on("console", lambda m: m.type == "error" and trouble.append(f"console: {m.text}"))
+            page.on("requestfailed", lambda r: trouble.append(f"failed: {r.method} {r.url}: {r.failure}"))
+            page.on("response", lambda r: r.status >= 400 and trouble.append(f"answered {r.status}: {r.url}"))
+            page.trouble = trouble  # type: ignore[attr-defined]
             yield page
         finally:
             browser.close()
@@ -45,9 +55,13 @@ def elsewhere(work: Callable[[], None], timeout: float = 120) -> None:
     loop on this one, where the passes' live broadcasts (async_to_sync) cannot run."""
     from django.db import connection
 
+    raised: list[BaseException] = []
+
     def run() -> None:
         try:
             work()
+        except BaseException as exc:  # failed there, fails the test here (a thread's error is only printed)
+            raised.append(exc)
         finally:
             connection.close()
 
@@ -55,6 +69,8 @@ def elsewhere(work: Callable[[], None], timeout: float = 120) -> None:
     t.start()
     t.join(timeout)
     assert not t.is_alive()
+    if raised:
+        raise raised[0]
 
 
 def sign_in(page: Any, base_url: str, username: str, password: str, next_path: str) -> None:
@@ -66,8 +82,38 @@ def sign_in(page: Any, base_url: str, username: str, password: str, next_path: s
     page.wait_for_url(f"{base_url}{next_path}")
 
 
-def wait_live(page: Any, timeout: int = 10_000) -> None:
-    page.wait_for_function("(document.getElementById('live-status') || {}).textContent === 'live'", timeout=timeout)
+def wait_for(page: Any, selector: str, timeout: int = 30_000) -> None:
+    """``page.wait_for_selector``, failing with what the page went through: its JS errors, failed requests and
+    error answers, and the element's parent's HTML (a page that drew something else, or nothing)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_selector(selector, timeout=timeout)
+    except PlaywrightTimeout:
+        parent = selector.split()[0]
+        raise AssertionError(f"{selector} did not appear in {timeout} ms {_went_through(page)}; "
+                             f"{parent}: {_text_of(page, parent, 'e.outerHTML')[:2000]}") from None
+
+
+def _went_through(page: Any) -> str:
+    return (f"on {page.url}; JS errors: {getattr(page, 'js_errors', [])}; "
+            f"trouble: {getattr(page, 'trouble', [])}")
+
+
+def _text_of(page: Any, selector: str, expr: str) -> str:
+    return page.eval_on_selector(selector, f"e => {expr}") if page.query_selector(selector) else "(absent)"
+
+
+def wait_live(page: Any, timeout: int = 30_000) -> None:
+    # 30 s: 10 ran out in CI for the node and the overview pages, three test processes and Chromium on two cores
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function("(document.getElementById('live-status') || {}).textContent === 'live'",
+                               timeout=timeout)
+    except PlaywrightTimeout:
+        status = _text_of(page, "#live-status", "e.textContent")
+        raise AssertionError(f"not live in {timeout} ms (live-status: {status!r}) {_went_through(page)}") from None
 
 
 def keep_screenshot(page: Any, name: str, tmp_path: Path, selector: str | None = None) -> Path:

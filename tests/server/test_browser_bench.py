@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import network_lock
 from tests.conftest import service_missing
 from tests.server.browser import CHROMIUM
 
@@ -28,10 +29,11 @@ def test_the_browser_benchmark_measures_every_page(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     # The harness starts its own embedded server (fresh data dir): nothing of the suite's database is touched.
     env_free = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/browser.py", "--nodes", "16", "--ranks", "64", "--seconds", "4", "--loads", "1",
-         "--window", "2", "--paint-timeout", "60", "--json", str(out)],
-        cwd=ROOT, env=env_free, capture_output=True, text=True, timeout=280)
+    with network_lock.browsing():  # its Chromium, like the suite's, runs while no testbed changes the host's network
+        proc = subprocess.run(
+            [sys.executable, "benchmarks/browser.py", "--nodes", "16", "--ranks", "64", "--seconds", "4", "--loads",
+             "1", "--window", "2", "--paint-timeout", "60", "--json", str(out)],
+            cwd=ROOT, env=env_free, capture_output=True, text=True, timeout=280)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["page"] for r in rows] == ["overview", "node", "run"], proc.stdout[-3000:]
