@@ -84,3 +84,25 @@ def test_a_node_between_its_posts_is_not_quiet_and_its_slow_link_is_named() -> N
                              "hosts": [{"ts": t, "cpu_pct": 35.0} for t, _ in held[src]]})
                     held[src] = []
         assert [d.key for d in slow_links(buf.window(now), Thresholds(), set())] == [("slow_link", "node-b")], now
+
+
+def _transfers(pairs: dict[int, dict[tuple[str, str], float]]) -> Callable[[str, str, int], float | None]:
+    return lambda a, b, s: pairs.get(s, {}).get((a, b))
+
+
+def test_a_peer_of_a_narrow_node_is_not_named_for_its_transfers_with_it() -> None:
+    """The testbed's case (four nodes, node-b limited to 100 Mbit/s): node-d's last three rounds with a transfer held
+    two with node-b (slow, node-b's link) and one to node-c that a busy core slowed to 0.64 Gb/s. All bad, against
+    two peers: node-d was named beside node-b. Without its transfers with node-b it has one, to one peer."""
+    slow = 0.08
+    everyone = {(a, b): (slow if "node-b" in (a, b) else 1.0) for a in NODES for b in NODES if a != b}
+    healthy = {("node-a", "node-c"): 1.0, ("node-c", "node-a"): 1.0}  # the cluster's yardstick, where b and d are not
+    pairs = {0: healthy, 1: healthy, 2: everyone, 3: healthy, 4: healthy, 6: healthy,
+             5: {("node-d", "node-b"): 0.09, ("node-b", "node-d"): 0.07, ("node-a", "node-c"): 1.0},
+             7: {("node-d", "node-c"): 0.64, ("node-b", "node-a"): 0.09, ("node-c", "node-b"): slow},
+             8: {("node-d", "node-b"): 0.09, ("node-a", "node-c"): 1.0}}
+    assert named(window(_transfers(pairs))) == [("slow_link", "node-b")]
+    # node-d's own link narrow too: its transfers with node-a and node-c are slow as well, and it is named with b.
+    both = {s: {k: (slow if "node-d" in k else v) for k, v in p.items()} for s, p in pairs.items()}
+    both[8][("node-a", "node-d")] = slow
+    assert sorted(named(window(_transfers(both)))) == [("slow_link", "node-b"), ("slow_link", "node-d")]
