@@ -18,6 +18,9 @@ _FINDING = {
         "url": {"type": "string", "description": "the finding's page"},
         "subject_url": {"type": "string", "description": "the page of its node, GPU, link, rank or run"},
         "run": {"type": ["integer", "null"]}, "cluster": {"type": "string"},
+        "node": {"type": ["string", "null"], "description": "the node it names (a rank's or GPU's node; a link's one end)"},
+        "peer_node": {"type": ["string", "null"], "description": "a link's other end"},
+        "gpu_index": {"type": ["integer", "null"]}, "rank": {"type": ["integer", "null"]},
         "opened_at": {"type": "number"}, "updated_at": {"type": "number"}, "resolved_at": {"type": ["number", "null"]},
         "evidence": {"type": "object", "description": "metrics, window [t0, t1] and series to plot"},
         "acked_by": {"type": ["string", "null"], "description": "who acknowledged it (no more alerts until it "

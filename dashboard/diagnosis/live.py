@@ -17,6 +17,8 @@ def finding_row(f: Finding) -> dict[str, Any]:
     return {"id": f.id, "kind": f.kind, "state": f.state, "severity": f.severity, "subject": f.subject,
             "subject_type": f.subject_type, "title": f.title, "action": f.action, "confidence": f.confidence,
             "run": f.run_id, "node": f.node.hostname if f.node_id else None, "gpu_index": f.gpu_index,
+            # a link's far end: the overview marks both ends on its health map as findings come and go
+            "peer_node": f.peer_node.hostname if f.peer_node_id else None,
             "rank": f.rank, "opened_at": f.opened_at.timestamp(), "updated_at": f.updated_at.timestamp(),
             "headline": headline(f), "url": finding_url(f.id), "subject_url": subject_url(f),
             # Who is on it (dashboard.diagnosis.silences); ``silenced`` is added by silences.mark, one query a list.

@@ -266,11 +266,7 @@ def test_the_overview_page_draws_the_health_map_links_findings_and_keeps_events(
     page.wait_for_function("document.getElementById('healthmap').dataset.cells === '32'")
     # Every cell is a GPU painted on one canvas, not a DOM element.
     assert page.locator("#healthmap canvas").count() == 1 and page.locator("#healthmap *").count() == 1
-    at = page.evaluate("document.getElementById('healthmap').cellCenter('node-002', 1)")
-    pixel = page.evaluate("""([x, y]) => { const c = document.querySelector('#healthmap canvas');
-        const r = c.getBoundingClientRect(), k = c.width / r.width;
-        return [...c.getContext('2d').getImageData((x - r.left) * k, (y - r.top) * k, 1, 1).data]; }""",
-                          [at["x"], at["y"]])
+    pixel = _pixel(page, "node-002", 1)
     colour = {"warning": [243, 167, 18], "error": [228, 87, 46], "critical": [157, 2, 8]}[xid.severity]
     assert pixel == [*colour, 255], f"the GPU with the Xid is painted in its finding's colour, got {pixel}"
     assert page.locator(f"#findings a[href='/findings/{xid.id}/']").count() == 1
@@ -294,3 +290,89 @@ def test_the_overview_page_draws_the_health_map_links_findings_and_keeps_events(
     at = page.evaluate("document.getElementById('healthmap').cellCenter('node-005', 0)")
     page.mouse.click(at["x"], at["y"])
     page.wait_for_url(f"{asgi_server.url}/clusters/prod-a/nodes/node-005/")
+
+
+# The canvas pixel at the centre of a GPU's cell, as [r, g, b, a]: ([host, gpu]) => pixel
+_PIXEL = """([host, gpu]) => { const el = document.getElementById('healthmap'), c = el.querySelector('canvas');
+    const at = el.cellCenter(host, gpu), r = c.getBoundingClientRect(), k = c.width / r.width;
+    return [...c.getContext('2d').getImageData((at.x - r.left) * k, (at.y - r.top) * k, 1, 1).data]; }"""
+
+
+def _pixel(page: Any, host: str, gpu: int) -> list[int]:
+    return page.evaluate(_PIXEL, [host, gpu])
+
+
+def _changed(world: World, f: Finding, **fields: Any) -> None:
+    """What the lifecycle does when a pass opens or resolves a finding: the row, then its broadcast (off Playwright's
+    thread, where the broadcast cannot run)."""
+    from dashboard.diagnosis import lifecycle
+
+    def work() -> None:
+        for k, v in fields.items():
+            setattr(f, k, v)
+        f.save()
+        resolved = f.state == Finding.State.RESOLVED
+        # no transaction on this thread: the broadcast (on_commit) goes at once
+        lifecycle._notify(world.cluster.id, lifecycle.Changes(resolved=[f] if resolved else [],
+                                                              opened=[] if resolved else [f]))
+    browser.elsewhere(work)
+
+
+@pytest.mark.browser
+def test_the_health_map_follows_the_findings_as_they_open_and_resolve_between_refreshes(
+        asgi_server: AsgiServer, world: World, page: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The map's colours come with the overview's answer, re-read every 12 s; the findings list is live. The demo
+    showed a GPU painted red for a finding the list had already dropped: the map now follows the live findings."""
+    feed_until_now(world, monkeypatch, 20, FAULTS)
+    browser.sign_in(page, asgi_server.url, world.owner.username, world.password, "/clusters/prod-a/")
+    browser.wait_live(page)
+    page.wait_for_function("document.getElementById('healthmap').dataset.cells === '32'")
+    critical = [157, 2, 8, 255]
+    assert _pixel(page, "node-004", 3) != critical
+
+    def change(f: Finding, **fields: Any) -> float:
+        before = page.evaluate("performance.now()")
+        _changed(world, f, **fields)
+        return before
+
+    def painted(colour: list[int], yes: bool) -> None:
+        page.wait_for_function(f"([want, yes]) => ({_PIXEL})(['node-004', 3]).every((v, i) => v === want[i]) === yes",
+                               arg=[colour, yes], timeout=10_000)
+
+    # A GPU finding no pass makes or clears (its condition is not in the data; it would clear after 600 s unseen).
+    now = timezone.now()
+    node = Node.objects.get(cluster=world.cluster, hostname="node-004")
+    f = Finding(cluster=world.cluster, kind="failing_gpu", subject="node-004/gpu3", subject_type="gpu",
+                severity="critical", title="node-004 GPU 3: Xid 79 (fell off the bus)", action="drain it",
+                confidence=0.9, node=node, gpu_index=3, evidence={}, opened_at=now, updated_at=now, last_seen_at=now)
+    for state, yes in ((Finding.State.OPEN, True), (Finding.State.RESOLVED, False)):
+        before = change(f, state=state, resolved_at=timezone.now() if state == Finding.State.RESOLVED else None)
+        painted(critical, yes)
+        took = page.evaluate("performance.now()") - before
+        assert took < 6000, f"the map showed the finding {state} after {took:.0f} ms: the refresh's, not live"
+        assert ("GPU 3" in page.inner_text("#trouble")) == yes, "drawn with the map"
+        # The list is drawn on a cadence of its own (markLists, 500 ms): it may follow the map by that much.
+        page.wait_for_selector(f"#findings a[href='/findings/{f.id}/']", state="attached" if yes else "detached",
+                               timeout=3_000)
+    browser.no_js_errors(page)
+
+
+@pytest.mark.browser
+def test_a_node_page_hears_at_once_of_a_link_finding_that_names_it_as_the_far_end(
+        asgi_server: AsgiServer, world: World, page: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node page lists the findings that name its node as either end of a link, and re-reads them when a live
+    frame names it: as the far end too (it re-read them only for the near end, so the far end's page waited for its
+    next refresh)."""
+    feed_until_now(world, monkeypatch, 20, FAULTS)
+    browser.sign_in(page, asgi_server.url, world.owner.username, world.password, "/clusters/prod-a/nodes/node-004/")
+    browser.wait_live(page)
+    browser.wait_for(page, "#findings-open li")
+    now = timezone.now()
+    near, far = (Node.objects.get(cluster=world.cluster, hostname=h) for h in ("node-003", "node-004"))
+    f = Finding(cluster=world.cluster, kind="slow_link", subject="node-003~node-004", subject_type="link",
+                severity="error", title="Slow network on the link node-003~node-004: RTT 4.10 ms vs 0.06 ms elsewhere",
+                action="check the cable", confidence=0.9, node=near, peer_node=far, evidence={}, opened_at=now,
+                updated_at=now, last_seen_at=now)
+    _changed(world, f)
+    page.wait_for_selector("#findings-open li:has-text('node-003~node-004')", timeout=6_000)
+    browser.no_js_errors(page)

@@ -418,7 +418,8 @@ function onFrame(frame) {
       refreshFactsSoon();
     }
   }
-  if (frame.type === "delta" && (frame.findings || []).some((f) => f.node === HOST)) refreshFactsSoon();
+  // A link's finding names this node as either end: the list below shows both (node.py's _findings)
+  if (frame.type === "delta" && (frame.findings || []).some((f) => f.node === HOST || f.peer_node === HOST)) refreshFactsSoon();
 }
 
 range = rangePicker($("range"), (r) => { range = r; live = {}; loadSeries(); });

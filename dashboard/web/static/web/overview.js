@@ -53,6 +53,42 @@ function adopt(data) {
   for (const [id, f] of live) if (!findings.has(id) && f.state === "open") findings.set(id, f);
   addEvents(data.events.events);
   if (eventsNext === null && data.events.next) eventsNext = data.events.next;
+  allKnown = data.findings.length >= data.summary.findings;
+  if (allKnown && live.size) remark([]);  // opened after the server read its marks: on the map as in the list
+}
+
+// -- the map's marks between refreshes -------------------------------------------------------------------------------
+// A node's and each GPU's colour is its worst open finding. The API's marks are as of its read; the websocket's
+// findings keep them current by the server's rule (overview_health._Marks): a GPU's or rank's finding marks its GPU,
+// any other its node, a link both ends. Without this a resolved finding stayed painted on the map until the next
+// refresh (up to REFRESH_MS), beside a list that no longer held it. Recomputed from the list while the page knows
+// every open finding (the API lists at most 100); past that a resolve cannot be told apart from a finding the page
+// never saw, so live frames only raise marks and the refresh lowers them.
+let allKnown = true;
+
+function markOne(f) {
+  const n = byHost.get(f.node);
+  if (n) {
+    n.severity = worst(n.severity, f.severity);
+    if (f.gpu_index !== null && f.gpu_index !== undefined && (f.subject_type === "gpu" || f.subject_type === "rank")) {
+      const g = n.gpuObjs.find((x) => x.index === f.gpu_index);
+      if (g) { g.sev = worst(g.sev, f.severity); g.url = g.url || `${n.url}gpus/${g.index}/`; }
+    } else {
+      n.node_severity = worst(n.node_severity, f.severity);
+    }
+  }
+  const peer = f.peer_node ? byHost.get(f.peer_node) : null;
+  if (peer) { peer.severity = worst(peer.severity, f.severity); peer.node_severity = worst(peer.node_severity, f.severity); }
+}
+
+function remark(rows) {
+  if (!allKnown) { for (const f of rows) if (f.state === "open") markOne(f); return; }
+  for (const n of nodes) {
+    n.severity = null;
+    n.node_severity = null;
+    for (const g of n.gpuObjs) g.sev = null;
+  }
+  for (const f of findings.values()) markOne(f);
 }
 
 // -- state: the server's verdict, corrected by what the websocket shows since ----------------------------------------
@@ -390,7 +426,7 @@ drawLegend();
 $("older").addEventListener("click", () => older().catch(() => {}));
 connectLive(api.live, (frame) => {
   if (frame.gpus) { onGpus(frame.gpus); markMap(); }
-  if (frame.findings) { onFindings(frame.findings, frame.type === "snapshot"); markLists(); }
+  if (frame.findings) { onFindings(frame.findings, frame.type === "snapshot"); remark(frame.findings); markLists(); markMap(); }
   if (frame.events) { addEvents(frame.events); markLists(); }
 });
 setInterval(async () => {
