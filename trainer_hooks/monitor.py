@@ -26,6 +26,7 @@ from trainer_hooks.timing import CudaClock, FinishedStep, StepTimer, perf_counte
 from trainer_hooks.transport import Config, Shipper
 
 _META_EVERY_S = 300.0  # re-send the run metadata this often even unchanged: an agent or server may have restarted
+_META_RETRY_S = 5.0  # ... and this soon after one was dropped (no agent yet, the server away): see Shipper.meta_lost
 _MEM_EVERY_S = 1.0  # torch's allocator statistics cost tens of µs; once a second is enough for memory pressure
 
 
@@ -111,6 +112,8 @@ class Monitor:
         if tokens is not None or samples is not None:
             timer.count(tokens, samples)
         timer.end()
+        if self.shipper.meta_lost:
+            self._meta_lost()
         if self._meta_dirty or timer._begin_host > self._meta_due:
             self._send_meta()
 
@@ -318,6 +321,13 @@ class Monitor:
             "ts": time.time(), "kind": "hook", "severity": "warning", "run": self.run, "rank": self._ident.rank,
             "step": step, "message": f"{key[:128]} is not a finite number (first seen at step {step})",
         })
+
+    def _meta_lost(self) -> None:
+        """The last metadata sent never left this process: sent again within ``_META_RETRY_S`` (not at once: while
+        the agent is away each try is dropped too), even unchanged."""
+        self.shipper.meta_lost = False
+        self._last_meta = None
+        self._meta_due = min(self._meta_due, perf_counter() + _META_RETRY_S)
 
     def _send_meta(self) -> None:
         self._meta_dirty = False

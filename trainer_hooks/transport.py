@@ -143,6 +143,10 @@ class Shipper:
         self.seq = 0
         self._datagram_head = _dumps({"v": 1, "host": host, "pid": self.pid})[:-1].encode()
         self.dropped: dict[str, int] = {}
+        # Set on this thread when a run metadata record ("runs") is dropped, read and cleared by the Monitor on the
+        # training thread: the metadata is sent when it changes and every few minutes, so one lost at the start
+        # (the rank up before its agent) left the server without the rank's host and settings for minutes.
+        self.meta_lost = False
         self.sent = {"datagrams": 0, "batches": 0, "records": 0}
         self._queue: deque[tuple[str, Any]] = deque()
         self._off = config.mode == "off"
@@ -169,6 +173,7 @@ class Shipper:
             return
         if len(self._queue) >= self.config.queue_size:
             self.drop("queue_full", 1)
+            self.meta_lost = self.meta_lost or kind == "runs"
             return
         self._queue.append((kind, record))
         if self._thread is None:
@@ -178,6 +183,12 @@ class Shipper:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
         self.warn_once(reason, f"clusterdx hooks dropped {count} record(s): {reason.replace('_', ' ')} "
                                "(counted and reported; training is not affected)")
+
+    def _lose(self, reason: str, items: Encoded) -> None:
+        """Drop shipped-off ``items``, noting a lost run metadata record (it is sent again, :attr:`meta_lost`)."""
+        self.drop(reason, len(items))
+        if any(kind == "runs" for kind, _ in items):
+            self.meta_lost = True
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -306,13 +317,13 @@ class Shipper:
             if not items:
                 return
             if mode == "agent":
-                self.drop("agent_unreachable", len(items))
+                self._lose("agent_unreachable", items)
                 return
         if self.config.server and mode in ("auto", "server"):
             for batch in _pack(items, _BATCH_BUDGET, _PER_BATCH):
                 self._to_server(batch)
         else:
-            self.drop("agent_unreachable", len(items))
+            self._lose("agent_unreachable", items)
 
     # -- UDP to the agent ------------------------------------------------------------------------------------------
     def _to_agent(self, items: Encoded) -> Encoded:
@@ -335,7 +346,7 @@ class Shipper:
             sock = self._socket()
             sock.send(payload)
         except BlockingIOError:  # our socket buffer is full: the agent is alive but behind; shed, don't stall
-            self.drop("socket_full", len(chunk))
+            self._lose("socket_full", chunk)
             return True
         except OSError:
             return False
@@ -375,7 +386,7 @@ class Shipper:
                 return
             except (OSError, urllib.error.URLError) as exc:  # connection refused, timeout, 5xx, 429
                 if self._closing or attempt + 1 == attempts:
-                    self.drop("server_unreachable", len(items))
+                    self._lose("server_unreachable", items)
                     self.warn_once("server_unreachable_detail", f"clusterdx hooks: cannot post to "
                                    f"{self.config.server}: {exc}")
                     return

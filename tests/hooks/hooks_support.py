@@ -32,10 +32,10 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
 class UdpAgent:
     """Receives HookDatagrams on 127.0.0.1; keeps the validated ones and any validation error."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)  # as a real agent would
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind(("127.0.0.1", port))
         self.sock.settimeout(0.05)
         self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
         self.datagrams: list[dict[str, Any]] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hooks_support import free_port, wait_for
+from hooks_support import UdpAgent, free_port, wait_for
 
 from clusterdx import wire
 from trainer_hooks import Monitor
@@ -81,6 +82,40 @@ def test_it_drops_and_counts_when_no_agent_listens_and_no_server_is_set(hook_env
     assert mon.stats()["sent"]["records"] == 0
     warned = [r.message for r in caplog.records if r.name == "trainer_hooks"]
     assert len(warned) == 2 and "no agent listens" in warned[0]  # once each, however many drops
+
+
+def test_run_metadata_dropped_before_the_agent_listens_is_sent_again_soon(hook_env, monkeypatch):
+    """A rank up before its node's agent (started first, or its agent restarting) lost its run metadata with its
+    first records, and the metadata goes out again only when it changes or every five minutes: the server lacked the
+    rank's host, GPU and settings that long (found on the testbed, where ranks at a real-time priority started
+    before the agents listened, and no rank had a node)."""
+    from trainer_hooks import monitor, transport
+
+    monkeypatch.setattr(transport, "_AGENT_RETRY_S", 0.1)  # the agent tried again at once, not after 10 s
+    monkeypatch.setattr(monitor, "_META_RETRY_S", 0.3)
+    port = free_port(kind=socket.SOCK_DGRAM)
+    hook_env.setenv("CLUSTERDX_AGENT_ADDR", f"127.0.0.1:{port}")
+    hook_env.setenv("CLUSTERDX_HOOK_TRANSPORT", "agent")
+    mon = Monitor(run="early", interval=0.02)
+    train(mon, 5)
+    mon.flush()
+    assert mon.stats()["dropped"]["agent_unreachable"] >= 5  # the metadata and the steps before the last
+    agent = UdpAgent(port)
+    try:
+        deadline = time.monotonic() + 10
+        while not agent.records("runs") and time.monotonic() < deadline:
+            train(mon, 5)
+            mon.flush()
+            time.sleep(0.05)
+        runs = agent.records("runs")
+        assert [(r["run"], r["host"]) for r in runs] == [("early", mon.host)], "sent again once the agent listened"
+        train(mon, 50)
+        mon.flush()
+        assert len(agent.records("runs")) == 1, "once: not at every step after it"
+        assert agent.records("steps")
+    finally:
+        mon.close()
+        agent.close()
 
 
 def test_it_posts_batches_to_the_server_when_no_agent_listens(ingest, hook_env, tmp_path):
