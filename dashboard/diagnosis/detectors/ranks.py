@@ -111,6 +111,14 @@ def verdict(w: Window, run: RunInfo, t: Thresholds, stalled: float, med: float, 
     if own and stopped:
         v.what, v.culprits = "crashed", own[:1]
         return v
+    # The others died of a lost peer and the few left still beat: one of them is that peer, dead, its last beat
+    # sent just before it died and arriving with its agent's next batch (on the testbed's loaded cores 1.3 s after
+    # the kill, so still under beat_suspect_s when the run had not stepped for 3 s, and the run was named hung).
+    # A run whose ranks crashed is not hung: wait until the beats say which one went silent, as for one going quiet.
+    rest = len(beats) - len(crashed)
+    if v.peer_errors and len(v.peer_errors) == len(crashed) and 0 < rest <= few and stalled < limit + t.beat_silent_s:
+        v.what = "wait"
+        return v
     if stalled < limit:
         return v
     waiting = [b for b in live if b.state == "step"]
