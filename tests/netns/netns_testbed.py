@@ -27,7 +27,6 @@ Everything here is Django-free (plain subprocess and ``ip``/``tc``/``iptables``)
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import re
@@ -104,20 +103,6 @@ def _kill_namespace(ns: str) -> None:
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
     run("ip", "netns", "del", ns, check=False)
-
-
-@functools.cache
-def _rank_priority() -> tuple[str, ...]:
-    """What runs a rank at a real-time priority, where this machine allows one. A rank's compute is a sleep that
-    stands in for its GPU's, which no host process delays; but on a loaded machine (CI: three suites on two cores) the
-    rank woke late, and one whose 50 ms took 76 ms for three steps was named a straggler in a rate-limit scenario.
-    Measured beside three busy loops and a browser test: a 50 ms sleep and the model's step took at most 198 ms as
-    is, 130 ms at nice -19, 53 ms under SCHED_RR. A rank sleeps or waits on sockets most of its step (gloo waits,
-    it does not spin), and the kernel keeps 5 % of each second for the rest (``sched_rt_runtime_us``)."""
-    for prefix in (("chrt", "--rr", "1"), ("nice", "-n", "-10")):
-        if subprocess.run([*prefix, "true"], capture_output=True, check=False).returncode == 0:
-            return prefix
-    return ()
 
 
 def remove_stale() -> list[str]:
@@ -363,7 +348,7 @@ class Testbed:
                         "MASTER_ADDR": self.nodes[0].addr, "MASTER_PORT": str(MASTER_PORT),
                         "GLOO_SOCKET_IFNAME": "eth0", "CLUSTERDX_AGENT_ADDR": HOOK_ADDR, "CLUSTERDX_RUN": run_name,
                         "CLUSTERDX_HOOK_TRANSPORT": "agent", **(env or {}).get(rank, {})}
-            argv = [*_rank_priority(), sys.executable, str(HERE / "netns_rank.py"), "--compute-s", str(compute_s),
+            argv = [sys.executable, str(HERE / "netns_rank.py"), "--compute-s", str(compute_s),
                     "--slow-file", str(self.workdir / "slow-data.rank{rank}"),
                     "--collective-timeout-s", str(collective_timeout_s)]
             node.rank = self.spawn(node, argv, f"{node.name}.rank.log", env=rank_env)
