@@ -18,6 +18,12 @@ from tests.server.conftest import AsgiServer, World, make_batch, session_cookie
 
 
 def ws_connect(server: AsgiServer, path: str, cookie: str | None) -> Any:
+    """A socket whose snapshot holds what was posted before: an acknowledged batch is committed, and reaches the live
+    state a moment later, off the answer's path (CI on PostgreSQL + Redis: a snapshot without the second of two
+    nodes posted just before)."""
+    from dashboard.live import publish
+
+    publish.publisher.drain()
     headers = {"Origin": server.url}
     if cookie:
         headers["Cookie"] = cookie
