@@ -172,8 +172,7 @@ class Shipper:
         if self._off:
             return
         if len(self._queue) >= self.config.queue_size:
-            self.drop("queue_full", 1)
-            self.meta_lost = self.meta_lost or kind == "runs"
+            self._lose("queue_full", [(kind, b"")])
             return
         self._queue.append((kind, record))
         if self._thread is None:
