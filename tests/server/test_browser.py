@@ -45,7 +45,8 @@ def test_the_run_page_draws_the_run_live_and_explains_a_step(asgi_server: AsgiSe
     page.wait_for_selector("#findings a[href*='/findings/']")
     assert "rank6" in page.inner_text("#findings")
     # the rank x step heatmap: one row per rank, ordered by node, with node ticks
-    page.wait_for_function("document.body.dataset.heatmapRows === '32'")
+    page.wait_for_function("document.body.dataset.heatmapRows === '32'"
+                           " && (document.getElementById('rank-heatmap').data || []).length > 0")
     assert page.evaluate("document.getElementById('rank-heatmap').data[0].type") == "heatmap"
     # settings: rank 13's drift highlighted and linked
     page.wait_for_selector("#settings tr.drift a[href$='/ranks/13/']")

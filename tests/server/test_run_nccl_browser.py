@@ -29,7 +29,9 @@ def test_the_nccl_panel_draws_the_rank_strip_and_links_the_socket_ranks(asgi_ser
     for batch in agent_batches(began.timestamp() + 60, logs):
         assert ingest(asgi_server, world.token, batch).status_code == 200
     browser.sign_in(page, asgi_server.url, world.owner.username, world.password, f"/runs/{run.id}/")
-    page.wait_for_function(f"document.body.dataset.ncclRanks === '{WORLD}'")
+    # The panel marks itself when its data is in; the strip is drawn once plotly has run, which may be a moment later.
+    page.wait_for_function(f"document.body.dataset.ncclRanks === '{WORLD}'"
+                           " && (document.getElementById('nccl-strip').data || []).length > 0")
     trace = page.evaluate("(() => { const t = document.getElementById('nccl-strip').data[0];"
                           " return {type: t.type, rows: t.z.length, cols: t.z[0].length, z: t.z}; })()")
     assert (trace["type"], trace["rows"], trace["cols"]) == ("heatmap", 8, 4), "one row per node, a cell per rank"
@@ -44,6 +46,7 @@ def test_the_nccl_panel_draws_the_rank_strip_and_links_the_socket_ranks(asgi_ser
     shot = browser.keep_screenshot(page, "run-nccl", tmp_path, selector="section:has(#nccl)")
     for extra in filter(None, [os.environ.get("CLUSTERDX_NCCL_SHOT")]):
         shutil.copy(shot, extra)
-    # a click on a cell opens its rank's page
+    # a click on a cell opens its rank's page (its handler is attached once plotly has run)
+    page.wait_for_function("document.getElementById('nccl-strip').dataset.clicks === '1'")
     page.evaluate("document.getElementById('nccl-strip').emit('plotly_click', {points: [{pointNumber: [5, 1]}]})")
     page.wait_for_url(f"**/runs/{run.id}/ranks/21/")
