@@ -117,6 +117,8 @@ def test_the_run_page_shows_mfu_goodput_the_spike_and_the_layout(world: World, a
     page.wait_for_selector("#layout table.layout")
     layout = page.text_content("#layout")
     assert "fsdp2" in layout and "dp=4" in layout and "ZeRO stage" in layout
-    assert page.locator("#efficiency .scatterlayer .trace").count() >= 1
+    # The charts are drawn once plotly has run, which on loaded cores may come after the page's data is in.
+    page.wait_for_selector("#efficiency .scatterlayer .trace", state="attached")
+    page.wait_for_selector("#loss .scatterlayer .point", state="attached")
     assert page.locator("#loss .scatterlayer .point").count() == 1  # the spike's marker
     keep_screenshot(page, "run-parallel", tmp_path)

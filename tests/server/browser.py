@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,11 @@ def launch_page(monkeypatch: pytest.MonkeyPatch, width: int = 1400, height: int 
             page.on("requestfailed", lambda r: trouble.append(f"failed: {r.method} {r.url}: {r.failure}"))
             page.on("response", lambda r: r.status >= 400 and trouble.append(f"answered {r.status}: {r.url}"))
             page.trouble = trouble  # type: ignore[attr-defined]
+            # CI's loaded cores evaluate plotly seconds after a page's data is in: a test that reads a chart before
+            # it is drawn fails there only. CLUSTERDX_TEST_PLOTLY_DELAY_S=2 holds plotly back to show such a test here.
+            delay = float(os.environ.get("CLUSTERDX_TEST_PLOTLY_DELAY_S") or 0)
+            if delay:
+                page.route(re.compile(r"/plotly[^/]*\.js"), lambda route: (time.sleep(delay), route.continue_()))
             yield page
         finally:
             browser.close()

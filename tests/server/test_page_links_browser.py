@@ -48,7 +48,9 @@ def test_the_matrix_marks_the_slow_node_and_a_cell_opens_the_pair(server: AsgiSe
     feed.run(14)
     browser.sign_in(page, server.url, world.owner.username, world.password, "/clusters/prod-a/links/")
     browser.wait_live(page)
-    page.wait_for_function("(document.getElementById('rtt').data || []).length === 2")
+    # Each chart is drawn in its own task once plotly has run: wait for both.
+    page.wait_for_function("(document.getElementById('rtt').data || []).length === 2"
+                           " && (document.getElementById('bw').data || []).length === 2")
     # The overlay of bad pairs (the matrix's second trace) marks node-006's pairs, every one of them and only them.
     marked = page.evaluate("(() => { const t = document.getElementById('rtt').data[1];"
                            " return t.x.map((x, k) => [t.y[k], x]); })()")
