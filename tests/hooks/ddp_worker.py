@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tests.gloo_exit import exit_without_finalizing
 from trainer_hooks import Monitor, StepTimer
 from trainer_hooks.ddp import register_comm_hook
 
@@ -91,6 +92,7 @@ def main() -> None:
             mon.checkpoint_saved()
     mon.close()
     dist.destroy_process_group()
+    exit_without_finalizing()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from tests.gloo_exit import exit_without_finalizing
 from trainer_hooks import Monitor
 from trainer_hooks.collectives import TRACER
 
@@ -208,3 +209,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing()

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tests.gloo_exit import exit_without_finalizing
 from trainer_hooks import Monitor
 
 
@@ -107,6 +108,7 @@ def main() -> None:
     mon.close()
     dist.barrier()  # gloo can abort at exit when a peer is already gone
     dist.destroy_process_group()
+    exit_without_finalizing()
 
 
 if __name__ == "__main__":
