@@ -104,20 +104,18 @@ def verdict(w: Window, run: RunInfo, t: Thresholds, stalled: float, med: float, 
         v.what, v.culprits = "silent", silent
         return v
     going = [b for b in beats.values() if b.state not in TERMINAL and b.age_s >= t.beat_suspect_s]
+    if not going and crashed and len(v.peer_errors) == len(crashed):
+        # The others died of a lost peer: one of the few left is that peer, dead, its last beat sent just before it
+        # died and arriving with its agent's next batch (on the testbed's loaded cores 1.3 s after the kill, still
+        # under beat_suspect_s when the run had not stepped for 3 s, and the run was named hung). A run whose ranks
+        # crashed is not hung: they are all going quiet until the beats say which one went silent.
+        going = [b for b in beats.values() if b.state != "crashed"]
     if going and (live or crashed) and len(going) <= few and stalled < limit + t.beat_silent_s:
         v.what = "wait"  # a rank is going quiet: naming the run now would open a finding for the wrong subject
         return v
     own = sorted((b for b in crashed if not is_peer_error(b.error)), key=lambda b: b.error["ts"] if b.error else 0)
     if own and stopped:
         v.what, v.culprits = "crashed", own[:1]
-        return v
-    # The others died of a lost peer and the few left still beat: one of them is that peer, dead, its last beat
-    # sent just before it died and arriving with its agent's next batch (on the testbed's loaded cores 1.3 s after
-    # the kill, so still under beat_suspect_s when the run had not stepped for 3 s, and the run was named hung).
-    # A run whose ranks crashed is not hung: wait until the beats say which one went silent, as for one going quiet.
-    rest = len(beats) - len(crashed)
-    if v.peer_errors and len(v.peer_errors) == len(crashed) and 0 < rest <= few and stalled < limit + t.beat_silent_s:
-        v.what = "wait"
         return v
     if stalled < limit:
         return v
